@@ -1,0 +1,73 @@
+"""Every environment variable sgl_atom reads, declared once with its type and default.
+
+Read values through the module-level objects (``envs.SGL_ATOM_LOG_LEVEL.get()``), never through
+``os.environ`` elsewhere, so the README's table stays complete.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        if isinstance(self.default, bool):
+            return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+        if isinstance(self.default, int):
+            try:
+                return int(raw)  # type: ignore[return-value]
+            except ValueError as e:
+                raise ValueError(f"{self.name}={raw!r} is not an integer") from e
+        return raw  # type: ignore[return-value]
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+SGL_ATOM_CPU_MODE = EnvVar(
+    "SGL_ATOM_CPU_MODE",
+    "auto",
+    "CPU reference mode: 'auto' (on when the host has no NVIDIA driver), 'on' or 'off'.",
+)
+SGL_ATOM_CACHE_DIR = EnvVar(
+    "SGL_ATOM_CACHE_DIR",
+    "",
+    "Where built artefacts go (the no-device libcuda shim, tiny checkpoints). "
+    "Default: .cache/ in the checkout, or ~/.cache/sgl_atom when that is read-only.",
+)
+SGL_ATOM_CPU_CORES = EnvVar(
+    "SGL_ATOM_CPU_CORES",
+    "",
+    "CPU mode: core lists per rank, '|'-separated (e.g. '0|1'); default spreads the host's "
+    "cores over the ranks.",
+)
+SGL_ATOM_SERVER_TIMEOUT = EnvVar(
+    "SGL_ATOM_SERVER_TIMEOUT",
+    300,
+    "Seconds the demo and the tests wait for a server to become healthy.",
+)
+SGL_ATOM_LOG_LEVEL = EnvVar(
+    "SGL_ATOM_LOG_LEVEL",
+    "INFO",
+    "Log level of the sgl_atom logger.",
+)
+
+ALL: tuple[EnvVar, ...] = (
+    SGL_ATOM_CPU_MODE,
+    SGL_ATOM_CACHE_DIR,
+    SGL_ATOM_CPU_CORES,
+    SGL_ATOM_SERVER_TIMEOUT,
+    SGL_ATOM_LOG_LEVEL,
+)

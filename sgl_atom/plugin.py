@@ -1,0 +1,48 @@
+"""The ``sglang.srt.plugins`` entry point: the one place that touches SGLang's registries.
+
+SGLang calls :func:`register` once in every process it starts (launcher, engine, schedulers,
+detokenizer). SGLang only logs a plugin that raises and carries on without it, so a failure
+here is logged loudly at ERROR with the remedy, and re-raised.
+"""
+
+from __future__ import annotations
+
+from . import cpu_mode
+from .log import get_logger
+
+logger = get_logger("sgl_atom.plugin")
+
+_registered: list[str] | None = None
+
+
+def registered() -> list[str]:
+    """What :func:`register` registered in this process (empty before it ran)."""
+    return list(_registered or [])
+
+
+def register() -> list[str]:
+    """Register sgl_atom with SGLang; idempotent. Returns the names of what was registered."""
+    global _registered
+    if _registered is not None:
+        return list(_registered)
+    try:
+        names = _register_all()
+    except Exception:
+        logger.exception(
+            "sgl_atom failed to register with SGLang; the server runs WITHOUT sgl_atom. "
+            "Check that sglang==0.5.23 is installed (pip install -e . in this checkout)."
+        )
+        raise
+    _registered = names
+    logger.info("sgl_atom registered: %s", ", ".join(names) if names else "nothing")
+    return list(names)
+
+
+def _register_all() -> list[str]:
+    names: list[str] = []
+    if cpu_mode.cpu_mode_enabled():
+        from .patches import cpu_gloo_groups
+
+        cpu_gloo_groups.install()
+        names.append("patch:cpu_gloo_groups")
+    return names

@@ -1,0 +1,136 @@
+"""Start and stop real SGLang servers (CPU reference mode here, GPU where there is one).
+
+Used by the demo and the e2e tests. A server is started in its own process group and stopped
+by PID (the whole group), also when a test fails. A server that exits during start-up raises
+:class:`ServerStartError` carrying the tail of SGLang's own log, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .. import envs
+from ..launch_server import server_command
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plugins_without_sgl_atom() -> str:
+    """An SGLANG_PLUGINS allow-list holding every installed plugin except sgl_atom."""
+    from importlib.metadata import entry_points
+
+    names = [ep.name for ep in entry_points(group="sglang.srt.plugins") if ep.name != "sgl_atom"]
+    return ",".join(names) or "none"
+
+
+class Server:
+    """One ``sglang.launch_server`` process on 127.0.0.1."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        with_plugin: bool = True,
+        port: int | None = None,
+        name: str = "server",
+    ):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        argv = ["--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(self.port)]
+        argv += list(args or [])
+        self.cmd, self.env = server_command(argv)
+        self.env.update(env or {})
+        if not with_plugin:
+            self.env["SGLANG_PLUGINS"] = plugins_without_sgl_atom()
+        self.log_path = Path(tempfile.mkstemp(prefix=f"sgl_atom-{name}-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float | None = None) -> Server:
+        timeout = timeout or envs.SGL_ATOM_SERVER_TIMEOUT.get()
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with code {self.proc.returncode} during start-up. "
+                    f"SGLang said:\n{self.log_tail()}"
+                )
+            if self._healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"{self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, prompts: list[str], max_new_tokens: int = 16, **extra) -> list[dict]:
+        """Greedy generation for a batch of prompts through /generate."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        out = self.post("/generate", {"text": prompts, "sampling_params": params, **extra})
+        return out if isinstance(out, list) else [out]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+

@@ -1,0 +1,182 @@
+"""Deterministic tiny checkpoints with a locally trained tokenizer (no model hub).
+
+    python -m sgl_atom.testing.tiny --out DIR --kind llama
+
+Each kind writes a complete HF-style checkpoint (config.json, safetensors weights, tokenizer
+files). A finished build leaves a stamp; running again with the same spec does nothing. A
+build goes to a temporary sibling directory and is renamed into place, so an interrupted build
+never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+STAMP = ".sgl_atom_tiny.json"
+BUILDER_VERSION = 1
+
+_WORDS = (
+    "the a one two three four five six seven eight nine ten red green blue small large fast "
+    "slow cat dog bird fish tree river hill city road house light night day sun moon star sky "
+    "water fire stone wind rain snow cloud and or but with from into over under near far up "
+    "down left right is was are were has had will can may run walk fly swim read write sing "
+    "play build open close give take make find keep hold turn start stop answer question "
+    "number model token cache page server request reply hello world paris france capital of "
+    "what who where when why how"
+).split()
+
+
+def _corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(4, 16)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.insert(rng.randint(0, n), str(rng.randint(0, 999)))
+        out.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return out
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(out: Path, vocab_size: int) -> int:
+    """Train a byte-level BPE tokenizer on a generated corpus; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return len(fast)
+
+
+def _llama(out: Path, vocab: int, spec: dict) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["hidden"] * 2,
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["hidden"] // spec["heads"],
+        max_position_embeddings=spec["max_pos"],
+        initializer_range=spec["init_range"],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec["seed"])
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+KINDS: dict[str, tuple[dict, Callable[[Path, int, dict], None]]] = {
+    "llama": (
+        dict(hidden=256, layers=4, heads=4, kv_heads=2, max_pos=4096, init_range=0.05, seed=0,
+             vocab=512),
+        _llama,
+    ),
+}
+
+
+def _spec_digest(kind: str, spec: dict) -> str:
+    blob = json.dumps({"kind": kind, "spec": spec, "v": BUILDER_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def is_built(out: Path, kind: str) -> bool:
+    """True when ``out`` holds a finished checkpoint of this kind and builder version."""
+    stamp = out / STAMP
+    if not stamp.exists():
+        return False
+    try:
+        return json.loads(stamp.read_text()).get("digest") == _spec_digest(kind, KINDS[kind][0])
+    except (OSError, ValueError):
+        return False
+
+
+def build(out: Path, kind: str = "llama", log: Callable[[str], None] = print) -> Path:
+    """Build the tiny checkpoint ``kind`` into ``out`` unless it is already there."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny checkpoint kind {kind!r}; choose from {sorted(KINDS)}")
+    out = Path(out).resolve()
+    spec, make_model = KINDS[kind]
+    if is_built(out, kind):
+        log(f"[tiny] {kind} checkpoint already built at {out}")
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    except OSError as e:
+        raise SystemExit(
+            f"cannot write the tiny checkpoint under {out.parent} ({e.strerror}): "
+            "choose a writable --out or set SGL_ATOM_CACHE_DIR"
+        ) from e
+    t0 = time.time()
+    try:
+        log(f"[tiny] 1/3 training a {spec['vocab']}-token BPE tokenizer")
+        vocab = build_tokenizer(tmp, spec["vocab"])
+        log(f"[tiny] 2/3 writing {kind} weights (seed {spec['seed']})")
+        make_model(tmp, vocab, spec)
+        (tmp / STAMP).write_text(json.dumps({"kind": kind, "digest": _spec_digest(kind, spec)}))
+        log("[tiny] 3/3 moving into place")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[tiny] {kind} checkpoint ready at {out} ({time.time() - t0:.1f}s)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+    ap.add_argument("--kind", default="llama", choices=sorted(KINDS))
+    args = ap.parse_args(argv)
+    build(args.out, args.kind)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
