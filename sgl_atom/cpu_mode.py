@@ -56,7 +56,10 @@ def cache_dir() -> Path:
                 f"SGL_ATOM_CACHE_DIR={path} is not writable: point it at a writable directory"
             )
         return path
-    for path in (Path(__file__).resolve().parent.parent / ".cache", Path.home() / ".cache" / "sgl_atom"):
+    for path in (
+        Path(__file__).resolve().parent.parent / ".cache",
+        Path.home() / ".cache" / "sgl_atom",
+    ):
         if _writable_dir(path):
             return path
     raise CpuModeError(
@@ -94,7 +97,16 @@ def build_shim(out_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, "-shared", "-fPIC", "-O2", "-Wl,-soname," + SHIM_NAME, "-o", tmp, str(SHIM_SOURCE)],
+            [
+                cc,
+                "-shared",
+                "-fPIC",
+                "-O2",
+                "-Wl,-soname," + SHIM_NAME,
+                "-o",
+                tmp,
+                str(SHIM_SOURCE),
+            ],
             capture_output=True,
             text=True,
         )
@@ -142,5 +154,4 @@ def server_env(num_ranks: int, base: dict[str, str] | None = None) -> dict[str, 
     env["LD_LIBRARY_PATH"] = ":".join([shim_dir, *paths])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["SGLANG_CPU_OMP_THREADS_BIND"] = core_lists(num_ranks)
-    env.setdefault("SGL_ATOM_CPU_MODE", "on")
     return env

@@ -58,6 +58,11 @@ SGL_ATOM_SERVER_TIMEOUT = EnvVar(
     300,
     "Seconds the demo and the tests wait for a server to become healthy.",
 )
+SGL_ATOM_VENV = EnvVar(
+    "SGL_ATOM_VENV",
+    "",
+    "Where `make setup` puts the project venv (read by scripts/setup.sh; default .venv).",
+)
 SGL_ATOM_LOG_LEVEL = EnvVar(
     "SGL_ATOM_LOG_LEVEL",
     "INFO",
@@ -69,5 +74,6 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CACHE_DIR,
     SGL_ATOM_CPU_CORES,
     SGL_ATOM_SERVER_TIMEOUT,
+    SGL_ATOM_VENV,
     SGL_ATOM_LOG_LEVEL,
 )

@@ -17,7 +17,9 @@ def get_logger(name: str = "sgl_atom") -> logging.Logger:
         root.setLevel(envs.SGL_ATOM_LOG_LEVEL.get().upper())
         if not root.handlers:
             handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("[%(asctime)s sgl_atom] %(message)s", "%H:%M:%S"))
+            handler.setFormatter(
+                logging.Formatter("[%(asctime)s sgl_atom] %(message)s", "%H:%M:%S")
+            )
             root.addHandler(handler)
             root.propagate = False
         _configured = True

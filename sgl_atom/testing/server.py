@@ -133,4 +133,3 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

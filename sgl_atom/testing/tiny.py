@@ -111,8 +111,16 @@ def _llama(out: Path, vocab: int, spec: dict) -> None:
 
 KINDS: dict[str, tuple[dict, Callable[[Path, int, dict], None]]] = {
     "llama": (
-        dict(hidden=256, layers=4, heads=4, kv_heads=2, max_pos=4096, init_range=0.05, seed=0,
-             vocab=512),
+        dict(
+            hidden=256,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            max_pos=4096,
+            init_range=0.05,
+            seed=0,
+            vocab=512,
+        ),
         _llama,
     ),
 }

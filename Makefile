@@ -1,0 +1,27 @@
+# Two commands on a fresh clone: `make demo` (the main job) and `make test`.
+VENV ?= $(if $(SGL_ATOM_VENV),$(SGL_ATOM_VENV),$(CURDIR)/.venv)
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-unit test-e2e lint tiny
+
+setup:
+	@bash scripts/setup.sh
+
+tiny: setup
+	@$(PY) -m sgl_atom.testing.tiny --out .cache/tiny/llama --kind llama
+
+demo: setup
+	@$(PY) -m sgl_atom.demo
+
+test: setup
+	@$(PY) -m pytest tests/unit tests/e2e -q -rs $(PYTEST_ARGS)
+
+test-unit: setup
+	@$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+test-e2e: setup
+	@$(PY) -m pytest tests/e2e -q -rs $(PYTEST_ARGS)
+
+lint: setup
+	@$(PY) -m ruff check sgl_atom kernels tests benchmarks

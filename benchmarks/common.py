@@ -1,0 +1,99 @@
+"""Shared benchmark helpers: import shim, timing, and the two ceilings measured in each run.
+
+Usage from a benchmark script run as `python benchmarks/bench_x.py`:
+
+    from common import import_kernels, time_ms, copy_bandwidth, matmul_rate
+    pa = import_kernels("paged_attention")  # sgl_atom.kernels.* when installed, else kernels.*
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_kernels(family: str):
+    """`sgl_atom.kernels.<family>` when sgl_atom is installed, else `kernels.<family>` from here."""
+    try:
+        return importlib.import_module(f"sgl_atom.kernels.{family}")
+    except ImportError:
+        if REPO_ROOT not in sys.path:
+            sys.path.insert(0, REPO_ROOT)
+        return importlib.import_module(f"kernels.{family}")
+
+
+def time_ms(fn: Callable[[], object], graph: bool = True, rep: int = 100) -> float:
+    """Median ms per call of `fn`: CUDA-graph replay when `graph`, else triton's do_bench."""
+    import triton.testing
+
+    if not graph:
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    return _graph_ms(fn)
+
+
+def _events_ms(run, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def _graph_ms(fn: Callable[[], object], target_ms: float = 10.0, max_calls: int = 200) -> float:
+    """Capture up to `max_calls` back-to-back calls in one graph; median of 15 replays / calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+        torch.cuda.synchronize()
+        est = min(_events_ms(fn, 5))
+        calls = max(1, min(max_calls, int(target_ms / max(est, 1e-3))))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            for _ in range(calls):
+                fn()
+        torch.cuda.synchronize()
+        g.replay()
+        times = sorted(_events_ms(g.replay, 15))
+    torch.cuda.synchronize()
+    return times[len(times) // 2] / calls
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), graph=False)
+    return 2 * nbytes / ms / 1e6
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 n×n×n matmul rate in TFLOP/s on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda: a @ b, graph=False)
+    return 2 * n**3 / ms / 1e9
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def format_table(header: list[str], rows: list[list[object]]) -> str:
+    """A fixed-width markdown table (the last thing a benchmark prints)."""
+    cells = [header] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

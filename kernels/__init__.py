@@ -1,0 +1,1 @@
+"""Triton kernels with pure-torch references (torch and triton only; see README.md)."""

@@ -1,0 +1,161 @@
+"""Shared pieces of the paged attention kernels: supported values, checks, one KV tile step."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import is_fp8
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+SUPPORTED_Q_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+MAX_GQA_GROUP = 16
+
+
+def unsupported_reason(
+    head_dim: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype = torch.bfloat16,
+    gqa_group: int = 1,
+) -> str | None:
+    """None when the kernels run this configuration, else a sentence naming the bad value."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}"
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page size {page_size} is not supported; supported: {SUPPORTED_PAGE_SIZES}"
+    if kv_dtype not in SUPPORTED_KV_DTYPES:
+        return f"KV cache dtype {kv_dtype} is not supported; supported: {SUPPORTED_KV_DTYPES}"
+    if q_dtype not in SUPPORTED_Q_DTYPES:
+        return f"query dtype {q_dtype} is not supported; supported: {SUPPORTED_Q_DTYPES}"
+    if not 1 <= gqa_group <= MAX_GQA_GROUP:
+        return f"GQA group {gqa_group} (q_heads / kv_heads) is not supported; 1..{MAX_GQA_GROUP}"
+    if not is_fp8(kv_dtype) and kv_dtype != q_dtype:
+        return f"KV cache dtype {kv_dtype} differs from query dtype {q_dtype}; use fp8 or {q_dtype}"
+    return None
+
+
+def check_supported(
+    head_dim: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype = torch.bfloat16,
+    gqa_group: int = 1,
+) -> None:
+    """Raise ValueError naming the unsupported value (for backend start-up checks)."""
+    reason = unsupported_reason(head_dim, page_size, kv_dtype, q_dtype, gqa_group)
+    if reason is not None:
+        raise ValueError(f"atom attention kernels: {reason}")
+
+
+def check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale) -> bool:
+    """Assert the shared layout (kernels/README.md); return whether the cache is fp8."""
+    assert q.dim() == 3 and q.stride(2) == 1, "q: [tokens, q_heads, head_dim], head_dim contiguous"
+    assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, (
+        "k/v cache: [slots, kv_heads, head_dim]"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k/v cache must be contiguous"
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ"
+    q_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    assert k_cache.shape[2] == head_dim, (
+        f"cache head_dim {k_cache.shape[2]} != q head_dim {head_dim}"
+    )
+    assert q_heads % kv_heads == 0, f"q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
+    check_supported(head_dim, page_size, k_cache.dtype, q.dtype, q_heads // kv_heads)
+    assert k_cache.shape[0] % page_size == 0, "num_slots must be a multiple of page_size"
+    assert (
+        page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1
+    ), "page_table: [batch, max_pages] int32, row-contiguous"
+    assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), (
+        "seq_lens: [batch] int32 contiguous"
+    )
+    assert page_table.shape[0] >= seq_lens.shape[0], "page_table has fewer rows than seq_lens"
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8:
+        assert k_scale is not None and v_scale is not None, "fp8 KV needs k_scale and v_scale"
+        for s in (k_scale, v_scale):
+            assert (
+                s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:2]
+            ), "k_scale/v_scale: [num_slots, kv_heads] fp32 contiguous"
+    return fp8
+
+
+def on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    ks_base,
+    vs_base,
+    pt_row,
+    start_n,
+    bound,
+    row_limit,
+    qk_scale,
+    stride_kt,
+    stride_vt,
+    stride_st,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one sequence.
+
+    Rows are query rows (q [BLOCK_M, HEAD_DIM]); keys are gathered through the page table row.
+    With MASKED, a key counts only when key < bound and key <= row_limit[row]; scores are in the
+    log2 domain (qk_scale includes log2(e)). fp8 K/V are cast to q's dtype for the dot and their
+    per-token scales applied to the scores (K) and to the probabilities (V).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_ok = offs_n < bound
+        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0)
+    else:
+        page = tl.load(pt_row + offs_n // PAGE)
+    slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+    if MASKED:
+        k = tl.load(
+            k_base + slot[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
+    else:
+        k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if FP8:
+        s = s * (tl.load(ks_base + slot * stride_st) * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        ok = n_ok[None, :] & (offs_n[None, :] <= row_limit[:, None])
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(
+            v_base + slot[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
+    else:
+        v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :])
+    if FP8:
+        p = p * tl.load(vs_base + slot * stride_st)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return acc, m_new, l_i

@@ -1,0 +1,228 @@
+"""Extend / prefill attention: each sequence's new tokens (the last qo_len of seq_len) attend
+causally to the cached prefix and to themselves, through the page table.
+
+A tile's rows are (token, head) pairs of one GQA group, token-major, so each K/V tile is read
+once per group. The keys every row sees are visited without masks; only the diagonal band is
+masked. Tiles are issued longest-first (reverse order) to balance the causal triangle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E, attend_tile, check_inputs, on_cpu
+
+
+@triton.jit
+def extend_fwd_kernel(
+    Q,
+    K,
+    V,
+    KS,
+    VS,
+    PT,
+    SL,
+    QO,
+    Out,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_vt,
+    stride_st,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(QO + b)
+    qo_len = tl.load(QO + b + 1) - q_start
+    seq_len = tl.load(SL + b)
+    prefix = seq_len - qo_len
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < qo_len
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 dot operands as raw bits
+        q = q.to(tl.float32)
+    row_limit = prefix + tok
+
+    first_tok = m_block * BLOCK_M // GROUP
+    last_tok = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, qo_len - 1)
+    live = first_tok < qo_len  # tiles past this sequence's rows do nothing
+    full_end = tl.where(live, (prefix + first_tok) // BLOCK_N * BLOCK_N, 0)
+    diag_end = tl.where(live, prefix + last_tok + 1, 0)
+
+    k_base = K + kvh * HEAD_DIM
+    v_base = V + kvh * HEAD_DIM
+    pt_row = PT + b * stride_pt
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            KS + kvh,
+            VS + kvh,
+            pt_row,
+            start_n,
+            diag_end,
+            row_limit,
+            qk_scale,
+            stride_kt,
+            stride_vt,
+            stride_st,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            FP8,
+            False,
+        )
+    for start_n in range(full_end, diag_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            KS + kvh,
+            VS + kvh,
+            pt_row,
+            start_n,
+            diag_end,
+            row_limit,
+            qk_scale,
+            stride_kt,
+            stride_vt,
+            stride_st,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            FP8,
+            True,
+        )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        o.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def _config(head_dim: int, fp8: bool, cpu: bool) -> dict:
+    if cpu:  # interpreter: small tiles so small test shapes still take several steps
+        return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if head_dim == 256:
+        return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    # best on H200 at head_dim 128, GQA 8, 8K causal (benchmarks/results/paged_attention.log)
+    if fp8:
+        return dict(block_m=256, block_n=64, num_warps=8, num_stages=2)
+    return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
+
+
+def extend_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    max_qo_len: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal extend/prefill attention over the paged KV.
+
+    q: [total_q, q_heads, head_dim] bf16/fp16, head_dim contiguous; rows qo_indptr[b] ..
+      qo_indptr[b + 1] are sequence b's new tokens, in order.
+    k_cache, v_cache: [num_slots, kv_heads, head_dim] contiguous, q's dtype or float8_e4m3fn;
+      k_scale, v_scale: [num_slots, kv_heads] fp32 (fp8 only). The new tokens' K/V are stored.
+    page_table: [batch, max_pages] int32; seq_lens: [batch] int32 = prefix + new tokens;
+      qo_indptr: [batch + 1] int32. New token i of b sits at position seq_len - qo_len + i and
+      sees keys 0 ..= that position.
+    page_size, sm_scale: as `decode_fwd`.
+    out: like q, rows of all sequences written (allocated when None).
+    max_qo_len: longest qo_len (read from qo_indptr, a device sync, when None).
+    block_m (rows = tokens × GQA group), block_n, num_warps, num_stages: tuning overrides.
+    Returns out.
+    """
+    fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
+    batch = seq_lens.shape[0]
+    q_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    assert qo_indptr.shape == (batch + 1,) and qo_indptr.dtype == torch.int32, (
+        "qo_indptr: [batch+1] int32"
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out: like q"
+    if max_qo_len is None:
+        max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if batch else 0
+    if batch == 0 or max_qo_len == 0:
+        return out
+    cfg = _config(head_dim, fp8, on_cpu(q))
+    block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
+    grid = (triton.cdiv(max_qo_len * group, block_m), kv_heads, batch)
+    extend_fwd_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        page_table,
+        seq_lens,
+        qo_indptr,
+        out,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        v_cache.stride(0),
+        kv_heads,
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        PAGE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        FP8=fp8,
+        DOT_F32=on_cpu(q),
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
+    )
+    return out

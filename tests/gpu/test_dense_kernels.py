@@ -1,0 +1,158 @@
+"""Dense atom kernels on CUDA at realistic sizes (same checks as tests/unit/kernels)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit", "kernels")
+)
+from helpers import assert_close_rel, import_kernels, poisoned  # noqa: E402
+from paged_inputs import FP8, indptr, paged_kv, queries  # noqa: E402
+
+pa = import_kernels("paged_attention")
+kvq = import_kernels("kv_quant")
+DEV = "cuda"
+TOL = 2e-2
+DTYPES = [torch.bfloat16, FP8]
+
+
+def _name(dt):
+    return "fp8" if dt == FP8 else "bf16"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_store_kv(dtype):
+    tokens, heads, d, slots = 4097, 8, 128, 9000
+    k, v = (torch.randn(tokens, heads, d, device=DEV).bfloat16() for _ in range(2))
+    loc = torch.randperm(slots, device=DEV)[:tokens]
+    got = [poisoned((slots, heads, d), dtype, DEV) for _ in range(2)]
+    got += (
+        [poisoned((slots, heads), torch.float32, DEV) for _ in range(2)]
+        if dtype == FP8
+        else [None, None]
+    )
+    want = [t.clone() if t is not None else None for t in got]
+    kvq.store_kv(k, v, *got[:2], loc, *got[2:])
+    kvq.reference_store_kv(k, v, *want[:2], loc, *want[2:])
+    if dtype != FP8:
+        for g, w in zip(got, want, strict=True):
+            if g is not None:
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        return
+    for g, w in zip(got[2:], want[2:], strict=True):  # scales: exact
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    for g, w in zip(got[:2], want[:2], strict=True):  # bytes: at most one e4m3 code apart
+        gi, wi = g[loc].view(torch.uint8).int(), w[loc].view(torch.uint8).int()
+        diff = (gi - wi).abs()
+        print(f"fp8 bytes differing from torch's cast: {(diff > 0).float().mean().item():.2e}")
+        assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+        assert_close_rel(g[loc].float(), w[loc].float(), 1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("ps", [1, 16, 64, 128], ids=lambda p: f"ps{p}")
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(32, 4, 128), (8, 8, 64), (16, 4, 256)], ids=["gqa8-d128", "gqa1-d64", "gqa4-d256"]
+)
+def test_decode(dtype, ps, hq, hkv, d):
+    lens = [8191, 1, 3000, 16384, 77, 5000, 129, 2048]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dtype, DEV)
+    q = queries(len(lens), hq, d, DEV)
+    out = pa.decode_fwd(
+        q,
+        kc,
+        vc,
+        table,
+        sl,
+        ps,
+        d**-0.5,
+        out=poisoned(q.shape, q.dtype, DEV),
+        k_scale=ks,
+        v_scale=vs,
+    )
+    assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs), TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("ps", [1, 64], ids=lambda p: f"ps{p}")
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(32, 4, 128), (16, 4, 256), (8, 8, 64)], ids=["gqa8-d128", "gqa4-d256", "gqa1-d64"]
+)
+def test_extend(dtype, ps, hq, hkv, d):
+    lens, new = [2048, 1500, 700, 33], [2048, 300, 1, 33]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dtype, DEV)
+    q = queries(sum(new), hq, d, DEV)
+    qo = indptr(new, DEV)
+    out = pa.extend_fwd(
+        q,
+        kc,
+        vc,
+        table,
+        sl,
+        qo,
+        ps,
+        d**-0.5,
+        out=poisoned(q.shape, q.dtype, DEV),
+        k_scale=ks,
+        v_scale=vs,
+    )
+    assert_close_rel(out, pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs), TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("num_draft", [2, 8], ids=lambda n: f"draft{n}")
+def test_verify(dtype, num_draft):
+    lens = [9000, 40, 3000]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 4, 128, 16, dtype, DEV)
+    q = queries(len(lens) * num_draft, 32, 128, DEV)
+    out = pa.verify_fwd(
+        q,
+        kc,
+        vc,
+        table,
+        sl,
+        16,
+        128**-0.5,
+        num_draft,
+        out=poisoned(q.shape, q.dtype, DEV),
+        k_scale=ks,
+        v_scale=vs,
+    )
+    assert_close_rel(out, pa.reference_verify(q, kc, vc, table, sl, 16, 128**-0.5, ks, vs), TOL)
+
+
+def test_decode_cuda_graph_replay():
+    """Capture once with a static workspace and fixed splits; replay with new lengths and data."""
+    lens = [4000, 100, 9000, 1]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 4, 128, 64, FP8, DEV)
+    q = queries(4, 32, 128, DEV)
+    ws = pa.decode_workspace(4, 32, 128, 32, DEV)
+    out = torch.empty_like(q)
+    run = lambda: pa.decode_fwd(
+        q,
+        kc,
+        vc,
+        table,
+        sl,
+        64,
+        128**-0.5,
+        out=out,
+        k_scale=ks,  # noqa: E731
+        v_scale=vs,
+        workspace=ws,
+    )
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    sl.copy_(torch.tensor([17, 8999, 64, 2500], dtype=torch.int32))
+    q.copy_(queries(4, 32, 128, DEV, seed=9))
+    out.fill_(float("nan"))
+    g.replay()
+    assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, 64, 128**-0.5, ks, vs), TOL)

@@ -1,0 +1,154 @@
+"""Paged attention launchers against the float64 torch reference (bf16 and fp8 KV)."""
+
+import pytest
+import torch
+from helpers import assert_close_rel, device, import_kernels, poisoned
+from paged_inputs import FP8, indptr, paged_kv, queries
+
+pa = import_kernels("paged_attention")
+DEV = device()
+TOL = 2e-2  # bf16 operands (q, probabilities) with fp32 accumulation
+
+# (page_size, q_heads, kv_heads, head_dim, kv dtype): GQA 1/4/8, every supported head_dim/page
+CASES = [
+    (1, 2, 2, 64, torch.bfloat16),
+    (16, 8, 2, 128, FP8),
+    (64, 8, 1, 64, torch.bfloat16),
+    (128, 8, 2, 256, FP8),
+    (16, 16, 2, 64, torch.bfloat16),
+]
+
+
+def _id(c):
+    ps, hq, hkv, d, dt = c
+    return f"ps{ps}-gqa{hq // hkv}-d{d}-{'fp8' if dt == FP8 else 'bf16'}"
+
+
+def _out(q):
+    return poisoned(q.shape, q.dtype, DEV)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize(
+    "lens,splits", [([63, 1, 130], None), ([200, 17], 5)], ids=["ragged", "splits5"]
+)
+def test_decode(case, lens, splits):
+    ps, hq, hkv, d, dt = case
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=ps + d)
+    q = queries(len(lens), hq, d, DEV)
+    out = pa.decode_fwd(
+        q, kc, vc, table, sl, ps, d**-0.5, out=_out(q), k_scale=ks, v_scale=vs, num_splits=splits
+    )
+    ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
+    assert_close_rel(out, ref, TOL)
+
+
+def test_decode_static_workspace_reused():
+    """A graph-style call: one workspace with more splits than needed, reused across batches."""
+    ws = pa.decode_workspace(4, 8, 64, 8, DEV)
+    for seed, lens in enumerate([[5, 90, 33, 1], [64, 2]]):
+        kc, vc, ks, vs, table, sl = paged_kv(lens, 2, 64, 16, torch.bfloat16, DEV, seed=seed)
+        q = queries(len(lens), 8, 64, DEV, seed=seed)
+        ws[0].fill_(float("nan"))
+        ws[1].fill_(float("nan"))
+        out = pa.decode_fwd(q, kc, vc, table, sl, 16, 0.125, out=_out(q), workspace=ws)
+        assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, 16, 0.125), TOL)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=_id)
+def test_extend(case):
+    ps, hq, hkv, d, dt = case
+    lens, new = [63, 9, 90], [63, 1, 40]  # pure prefill, one token, extend after a prefix
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=ps)
+    q = queries(sum(new), hq, d, DEV)
+    qo = indptr(new, DEV)
+    out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), k_scale=ks, v_scale=vs)
+    ref = pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs)
+    assert_close_rel(out, ref, TOL)
+
+
+@pytest.mark.parametrize("num_draft", [1, 4], ids=lambda n: f"draft{n}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_id)
+def test_verify(case, num_draft):
+    ps, hq, hkv, d, dt = case
+    lens = [70, 4, 33]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=num_draft)
+    q = queries(len(lens) * num_draft, hq, d, DEV)
+    out = pa.verify_fwd(
+        q,
+        kc,
+        vc,
+        table,
+        sl,
+        ps,
+        d**-0.5,
+        num_draft,
+        out=_out(q),
+        k_scale=ks,
+        v_scale=vs,
+        num_splits=3,
+    )
+    ref = pa.reference_verify(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
+    assert_close_rel(out, ref, TOL)
+
+
+def test_verify_matches_extend_with_uniform_lengths():
+    kc, vc, ks, vs, table, sl = paged_kv([40, 25], 2, 64, 16, torch.bfloat16, DEV)
+    q = queries(6, 8, 64, DEV)
+    a = pa.verify_fwd(q, kc, vc, table, sl, 16, 0.125, 3, out=_out(q))
+    b = pa.extend_fwd(q, kc, vc, table, sl, indptr([3, 3], DEV), 16, 0.125, out=_out(q))
+    assert_close_rel(a, b.double(), TOL)
+
+
+@pytest.mark.parametrize(
+    "head_dim,page_size,kv_dtype,bad",
+    [
+        (96, 16, torch.bfloat16, "head_dim 96"),
+        (128, 3, torch.bfloat16, "page size 3"),
+        (128, 16, torch.float32, "torch.float32"),
+    ],
+    ids=["head_dim96", "page3", "kv-fp32"],
+)
+def test_unsupported_values_raise(head_dim, page_size, kv_dtype, bad):
+    assert pa.unsupported_reason(head_dim, page_size, kv_dtype) is not None
+    with pytest.raises(ValueError, match=bad):
+        pa.check_supported(head_dim, page_size, kv_dtype)
+    cache = torch.zeros(page_size * 2, 1, head_dim, dtype=kv_dtype, device=DEV)
+    q = torch.zeros(1, 1, head_dim, dtype=torch.bfloat16, device=DEV)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=bad):
+        pa.decode_fwd(
+            q, cache, cache, table, torch.ones(1, dtype=torch.int32, device=DEV), page_size, 1.0
+        )
+
+
+def test_fp8_per_token_attention_beats_per_tensor_scale():
+    """Decode over K/V with outlier channels: per-token scales track the bf16 result, one 1.0 scale
+    (clipping at 448) does not."""
+    hkv, d, ps, lens = 2, 64, 16, [48, 30]
+    kc, vc, _, _, table, sl = paged_kv(lens, hkv, d, ps, torch.bfloat16, DEV, seed=7)
+    kc, vc = kc.float(), vc.float()
+    for c in (kc, vc):
+        c[..., [3, 11]] *= 200  # outlier channels up to ~800
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    q = queries(2, 8, d, DEV) * 0.05
+    exact = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5)
+    (k8, ks), (v8, vs) = (_quantize(c) for c in (kc, vc))
+    per_token = pa.decode_fwd(q, k8, v8, table, sl, ps, d**-0.5, k_scale=ks, v_scale=vs)
+    ones = torch.ones_like(ks)
+    k1, v1 = (c.float().clamp(-448, 448).to(FP8) for c in (kc, vc))
+    per_tensor = pa.decode_fwd(q, k1, v1, table, sl, ps, d**-0.5, k_scale=ones, v_scale=ones)
+    from helpers import rel_err
+
+    e_token, e_tensor = rel_err(per_token, exact), rel_err(per_tensor, exact)
+    assert e_token < 0.05 and e_tensor > 3 * e_token, (e_token, e_tensor)
+
+
+def _quantize(c):
+    kvq = import_kernels("kv_quant")
+    c8 = torch.empty(c.shape, dtype=FP8, device=DEV)
+    s = torch.empty(c.shape[:2], device=DEV)
+    kvq.store_kv(
+        c, c, c8, torch.empty_like(c8), torch.arange(c.shape[0], device=DEV), s, torch.empty_like(s)
+    )
+    return c8, s
