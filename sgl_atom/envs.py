@@ -63,6 +63,12 @@ SGL_ATOM_VENV = EnvVar(
     "",
     "Where `make setup` puts the project venv (read by scripts/setup.sh; default .venv).",
 )
+SGL_ATOM_FP8_SCALE = EnvVar(
+    "SGL_ATOM_FP8_SCALE",
+    "per_token",
+    "atom backend with fp8 KV: 'per_token' (one scale per token and KV head) or 'per_tensor' "
+    "(upstream SGLang's store with scale 1.0, for A/B accuracy comparisons).",
+)
 SGL_ATOM_LOG_LEVEL = EnvVar(
     "SGL_ATOM_LOG_LEVEL",
     "INFO",
@@ -75,5 +81,6 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CPU_CORES,
     SGL_ATOM_SERVER_TIMEOUT,
     SGL_ATOM_VENV,
+    SGL_ATOM_FP8_SCALE,
     SGL_ATOM_LOG_LEVEL,
 )

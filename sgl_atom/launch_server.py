@@ -33,6 +33,17 @@ def num_ranks(argv: list[str]) -> int:
     return tp * pp * dp
 
 
+ATTENTION_FLAGS = (
+    "--attention-backend",
+    "--prefill-attention-backend",
+    "--decode-attention-backend",
+)
+
+
+def uses_atom_backend(argv: list[str]) -> bool:
+    return any(_flag_value(argv, (flag,), "") == "atom" for flag in ATTENTION_FLAGS)
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -61,6 +72,8 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         env = cpu_mode.server_env(num_ranks(argv), env)
         if _flag_value(argv, ("--device",), "") == "":
             argv += ["--device", "cpu"]
+        if uses_atom_backend(argv):
+            env["TRITON_INTERPRET"] = "1"  # the atom kernels run in Triton's interpreter
     return [sys.executable, "-m", "sglang.launch_server", *argv], env
 
 

@@ -39,10 +39,13 @@ def register() -> list[str]:
 
 
 def _register_all() -> list[str]:
-    names: list[str] = []
+    from . import attention
+
+    names = attention.register()
     if cpu_mode.cpu_mode_enabled():
-        from .patches import cpu_gloo_groups
+        from .patches import cpu_fp8_kv, cpu_gloo_groups
 
         cpu_gloo_groups.install()
-        names.append("patch:cpu_gloo_groups")
+        cpu_fp8_kv.install()
+        names += ["patch:cpu_gloo_groups", "patch:cpu_fp8_kv"]
     return names

@@ -31,4 +31,15 @@ LEDGER: tuple[LedgerEntry, ...] = (
         upstream="sglang 0.5.23 srt/distributed/parallel_state.py init_model_parallel_group",
         remove_when="SGLang stops enabling PyNccl for gloo groups",
     ),
+    LedgerEntry(
+        module="sgl_atom.patches.cpu_fp8_kv",
+        target="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+        why=(
+            "SGLang refuses fp8 KV on CPU unless Intel AMX and the intel_amx backend serve it. "
+            "When every attention backend is atom (which reads fp8 with its own kernels) the "
+            "gate is answered for it during configure(); applied in CPU mode only."
+        ),
+        upstream="sglang 0.5.23 srt/mem_cache/kv_cache_configurator.py configure()",
+        remove_when="SGLang asks the attention backend whether it reads fp8 KV on CPU",
+    ),
 )

@@ -10,22 +10,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from e2e_utils import BASE_ARGS
 
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.testing import tiny
 from sgl_atom.testing.server import Server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-PROMPTS = [
-    "The capital of france is",
-    "One two three four five",
-    "Hello world, the small cat",
-    "What is the number 42?",
-]
-MAX_NEW = 12
-BASE_ARGS = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
-
 
 def pytest_collection_modifyitems(items):
     for item in items:
@@ -63,7 +54,3 @@ def servers():
     pool = ServerPool()
     yield pool
     pool.stop_all()
-
-
-def greedy_texts(srv: Server, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
-    return [o["output_ids"] for o in srv.generate(list(prompts), max_new_tokens=max_new)]

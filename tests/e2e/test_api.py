@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, greedy_texts
+from e2e_utils import PROMPTS, greedy_texts
 
 from sgl_atom.testing.server import Server, ServerStartError
 

@@ -7,7 +7,7 @@ starts; the TP1 reference comes from test_api's server when that module ran firs
 from __future__ import annotations
 
 import pytest
-from conftest import MAX_NEW, greedy_texts
+from e2e_utils import MAX_NEW, greedy_texts
 
 
 @pytest.fixture(scope="module")
