@@ -106,7 +106,27 @@ def _llama(out: Path, vocab: int, spec: dict) -> None:
     )
     torch.manual_seed(spec["seed"])
     model = LlamaForCausalLM(cfg).to(torch.float32)
+    if "outliers" in spec:
+        _add_kv_outliers(model, cfg.head_dim, **spec["outliers"])
     model.save_pretrained(out, safe_serialization=True)
+
+
+def _add_kv_outliers(model, head_dim: int, k_channels: tuple, k_gain: float, v_gain: float):
+    """Give K a few large channels per head and V a small range, as trained models have.
+
+    Random weights give K/V values of about one everywhere, where one fp8 scale of 1.0 for the
+    whole tensor is as good as any; real models have a few outlier K channels (clipped at 448
+    by a unit scale) and layers whose values sit near fp8's subnormal range.
+    """
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            heads = attn.k_proj.weight.shape[0] // head_dim
+            rows = [h * head_dim + c for h in range(heads) for c in k_channels]
+            attn.k_proj.weight[rows] *= k_gain
+            attn.v_proj.weight *= v_gain
 
 
 KINDS: dict[str, tuple[dict, Callable[[Path, int, dict], None]]] = {
@@ -120,6 +140,33 @@ KINDS: dict[str, tuple[dict, Callable[[Path, int, dict], None]]] = {
             init_range=0.05,
             seed=0,
             vocab=512,
+        ),
+        _llama,
+    ),
+    "llama-hd32": (
+        dict(
+            hidden=128,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            max_pos=4096,
+            init_range=0.05,
+            seed=0,
+            vocab=512,
+        ),
+        _llama,
+    ),
+    "llama-outliers": (
+        dict(
+            hidden=256,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            max_pos=4096,
+            init_range=0.05,
+            seed=0,
+            vocab=512,
+            outliers=dict(k_channels=(3, 40), k_gain=200.0, v_gain=0.02),
         ),
         _llama,
     ),

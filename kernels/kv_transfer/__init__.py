@@ -1,0 +1,16 @@
+"""Head-cut gather/scatter of paged KV regions for P/D transfer (run layout: layout.py)."""
+
+from .layout import RunLayout
+from .pack import pack_heads, pack_pages, unpack_heads, unpack_pages
+from .reference import logical_view, reference_pack_heads, reference_unpack_heads
+
+__all__ = [
+    "RunLayout",
+    "logical_view",
+    "pack_heads",
+    "pack_pages",
+    "reference_pack_heads",
+    "reference_unpack_heads",
+    "unpack_heads",
+    "unpack_pages",
+]

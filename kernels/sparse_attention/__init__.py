@@ -1,0 +1,32 @@
+"""MiniMax-M3-style sparse attention: index-key write, block scoring + top-k selection over
+128-token blocks, sparse attention over the selected blocks, and index-selection reuse.
+Cache and page-table conventions: kernels/README.md."""
+
+from .block_select import block_scores, select_blocks
+from .index_reuse import TopkHolder, should_score
+from .index_write import index_write
+from .reference import (
+    SPARSE_BLOCK,
+    reference_block_scores,
+    reference_dense_attention,
+    reference_index_write,
+    reference_select_blocks,
+    reference_sparse_attention,
+)
+from .sparse_attn import num_splits_for, sparse_attention_fwd
+
+__all__ = [
+    "SPARSE_BLOCK",
+    "TopkHolder",
+    "block_scores",
+    "index_write",
+    "num_splits_for",
+    "reference_block_scores",
+    "reference_dense_attention",
+    "reference_index_write",
+    "reference_select_blocks",
+    "reference_sparse_attention",
+    "select_blocks",
+    "should_score",
+    "sparse_attention_fwd",
+]

@@ -1,0 +1,348 @@
+"""Block scoring and top-k block selection (MiniMax-M3 "max" score over 128-token blocks).
+
+Two launches: `block_score_kernel` writes one score per (token, KV head, block) into a
+[total_q, kv_heads, max_blocks] fp32 buffer; `topk_select_kernel` picks each row's blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import is_fp8, next_pow2
+from .reference import SPARSE_BLOCK
+
+
+@triton.jit
+def block_score_kernel(
+    IQ,
+    IK,
+    IKS,
+    PT,
+    SL,
+    QO,
+    S,
+    scale,
+    stride_iqt,
+    stride_pt,
+    stride_st,
+    stride_sh,
+    KV_HEADS: tl.constexpr,
+    INDEX_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    SBLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DECODE: tl.constexpr,
+    FP8: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    NB: tl.constexpr,
+):
+    """Program (NB blocks, row tile, sequence): rows are (token, KV head) pairs of one sequence."""
+    blk0 = tl.program_id(0) * NB
+    b = tl.program_id(2)
+    seq_len = tl.load(SL + b)
+    if DECODE:
+        q_start = b
+        qo_len = 1
+    else:
+        q_start = tl.load(QO + b)
+        qo_len = tl.load(QO + b + 1) - q_start
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // KV_HEADS
+    row_ok = tok < qo_len
+    pos = seq_len - qo_len + tok
+    max_pos = (
+        seq_len
+        - qo_len
+        + tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M - 1, qo_len * KV_HEADS - 1) // KV_HEADS
+    )
+    if (tl.program_id(1) * BLOCK_M < qo_len * KV_HEADS) & (blk0 * SBLOCK <= max_pos):
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < INDEX_DIM
+        iq_rows = (q_start + tok).to(tl.int64) * stride_iqt + (rows % KV_HEADS) * INDEX_DIM
+        q = tl.load(
+            IQ + iq_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if F32_DOT:
+            q = q.to(tl.float32)
+        out = S + (q_start + tok).to(tl.int64) * stride_st + (rows % KV_HEADS) * stride_sh
+        for i in tl.static_range(NB):
+            blk = blk0 + i
+            p = blk * SBLOCK + tl.arange(0, SBLOCK)
+            p_ok = p <= max_pos
+            page = tl.load(PT + b.to(tl.int64) * stride_pt + p // PAGE, mask=p_ok, other=0)
+            slot = page.to(tl.int64) * PAGE + p % PAGE
+            k = tl.load(
+                IK + slot[:, None] * INDEX_DIM + d[None, :],
+                mask=p_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            if F32_DOT:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            if FP8:
+                s = s * tl.load(IKS + slot, mask=p_ok, other=0.0)[None, :]
+            s = tl.where(p[None, :] <= pos[:, None], s * scale, float("-inf"))
+            tl.store(out + blk, tl.max(s, axis=1), mask=row_ok & (blk * SBLOCK <= max_pos))
+
+
+@triton.jit
+def topk_select_kernel(
+    S,
+    SEL,
+    CNT,
+    SL,
+    QO,
+    stride_st,
+    stride_sh,
+    stride_selt,
+    stride_selh,
+    KV_HEADS: tl.constexpr,
+    TOPK: tl.constexpr,
+    INIT: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SBLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """Program (row = token * KV_HEADS + head, sequence): TOPK argmax rounds, ties to lower."""
+    row = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(SL + b)
+    if DECODE:
+        q_start = b
+        qo_len = 1
+    else:
+        q_start = tl.load(QO + b)
+        qo_len = tl.load(QO + b + 1) - q_start
+    tok = row // KV_HEADS
+    if tok < qo_len:
+        t = (q_start + tok).to(tl.int64)
+        nvis = (seq_len - qo_len + tok) // SBLOCK + 1
+        j = tl.arange(0, BLOCK_B)
+        vis = j < nvis
+        x = tl.load(
+            S + t * stride_st + (row % KV_HEADS) * stride_sh + j, mask=vis, other=float("-inf")
+        )
+        forced = vis & ((j < INIT) | (j >= nvis - LOCAL))
+        x = tl.where(forced, float("inf"), tl.where(vis, x, float("-inf")))
+        sel = j < 0
+        for _ in range(TOPK):
+            best = tl.argmax(x, axis=0, tie_break_left=True)
+            hit = (j == best) & (x > float("-inf"))  # x[best] is the max: -inf once all are taken
+            sel = sel | hit
+            x = tl.where(j == best, float("-inf"), x)
+        rank = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        out = SEL + t * stride_selt + (row % KV_HEADS) * stride_selh
+        tl.store(out + rank, j, mask=sel)
+        cnt = tl.sum(sel.to(tl.int32), axis=0)
+        k = tl.arange(0, BLOCK_K)
+        tl.store(out + k, tl.full([BLOCK_K], -1, tl.int32), mask=(k >= cnt) & (k < TOPK))
+        tl.store(CNT + t * KV_HEADS + row % KV_HEADS, cnt)
+
+
+def f32_dot(q: torch.Tensor) -> bool:
+    """fp32 dots (ieee) for fp32 inputs, and on CPU: the interpreter's bf16 dot is not exact."""
+    return q.dtype == torch.float32 or q.device.type == "cpu"
+
+
+def _check(
+    index_q,
+    index_cache,
+    page_table,
+    seq_lens,
+    qo_indptr,
+    index_scale,
+    topk,
+    init_blocks,
+    local_blocks,
+):
+    assert (
+        index_q.dim() == 3 and index_q.stride(2) == 1 and index_q.stride(1) == index_q.shape[2]
+    ), "index_q must be [tokens, kv_heads, index_dim] with contiguous (head, dim)"
+    assert index_cache.is_contiguous() and index_cache.shape[1:] == index_q.shape[2:], (
+        f"index_cache must be [num_slots, {index_q.shape[2]}] contiguous"
+    )
+    assert page_table.dtype == torch.int32 and page_table.stride(1) == 1, (
+        "page_table: [batch, max_pages] int32"
+    )
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == page_table.shape[:1], (
+        "seq_lens: [batch] int32"
+    )
+    assert qo_indptr is None or (
+        qo_indptr.dtype == torch.int32 and qo_indptr.numel() == seq_lens.numel() + 1
+    )
+    assert not is_fp8(index_cache.dtype) or (
+        index_scale is not None and index_scale.dtype == torch.float32
+    ), "fp8 index cache needs index_scale [num_slots] fp32"
+    if init_blocks + local_blocks > topk or min(init_blocks, local_blocks) < 0 or topk < 1:
+        raise ValueError(
+            f"sparse_init_block {init_blocks} + sparse_local_block {local_blocks} must be "
+            f"non-negative and at most sparse_topk_blocks {topk}"
+        )
+
+
+def block_scores(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    qo_indptr: torch.Tensor | None = None,
+    max_qo_len: int = 1,
+    max_seq_len: int | None = None,
+    index_scale: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    blocks_per_program: int | None = None,
+) -> torch.Tensor:
+    """Scores [total_q, kv_heads, max_blocks] fp32 (max_blocks = cdiv(max_seq_len, 128)); entries
+    of blocks a token cannot see are left unwritten. Arguments as `select_blocks`."""
+    _check(index_q, index_cache, page_table, seq_lens, qo_indptr, index_scale, 1, 0, 0)
+    total_q, kv_heads, index_dim = index_q.shape
+    max_seq_len = page_table.shape[1] * page_size if max_seq_len is None else max_seq_len
+    max_blocks = triton.cdiv(max_seq_len, SPARSE_BLOCK)
+    if scores is None:
+        scores = torch.empty(
+            (total_q, kv_heads, max_blocks), dtype=torch.float32, device=index_q.device
+        )
+    assert (
+        scores.shape[:2] == (total_q, kv_heads)
+        and scores.shape[2] >= max_blocks
+        and scores.stride(2) == 1
+    )
+    block_m = max(16, min(64, next_pow2(max_qo_len * kv_heads)))
+    fp8 = is_fp8(index_cache.dtype)
+    nb = blocks_per_program or 1  # 1 measured fastest on H200 (bf16 and fp8 index)
+    grid = (
+        triton.cdiv(max_blocks, nb),
+        triton.cdiv(max_qo_len * kv_heads, block_m),
+        seq_lens.shape[0],
+    )
+    block_score_kernel[grid](
+        index_q,
+        index_cache,
+        index_scale if fp8 else index_cache,
+        page_table,
+        seq_lens,
+        seq_lens if qo_indptr is None else qo_indptr,
+        scores,
+        scale,
+        index_q.stride(0),
+        page_table.stride(0),
+        scores.stride(0),
+        scores.stride(1),
+        KV_HEADS=kv_heads,
+        INDEX_DIM=index_dim,
+        BLOCK_D=next_pow2(index_dim),
+        PAGE=page_size,
+        SBLOCK=SPARSE_BLOCK,
+        BLOCK_M=block_m,
+        DECODE=qo_indptr is None,
+        FP8=fp8,
+        F32_DOT=f32_dot(index_q),
+        NB=nb,
+        num_warps=4,
+    )
+    return scores
+
+
+def select_blocks(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    topk: int,
+    init_blocks: int,
+    local_blocks: int,
+    qo_indptr: torch.Tensor | None = None,
+    max_qo_len: int = 1,
+    max_seq_len: int | None = None,
+    index_scale: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    blocks_per_program: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score every visible 128-token block and keep the top `topk` per (token, KV head).
+
+    index_q: [total_q, kv_heads, index_dim] bf16/fp16/fp32 (decode: total_q = batch).
+    index_cache: [num_slots, index_dim] bf16/fp16/fp32 or float8_e4m3fn; index_scale: [num_slots]
+      fp32 (fp8 only). Block b of a sequence = positions [128b, 128b + 128) through page_table.
+    page_table: [batch, max_pages] int32; seq_lens: [batch] int32 (new tokens included).
+    page_size: 1, 16, 64 or 128 (any positive size works). scale: multiplies q·k.
+    qo_indptr: [batch + 1] int32 for extend/prefill/verify (new token i of b at position
+      seq_len - qo_len + i); None for decode (one token per sequence, at seq_len - 1).
+    max_qo_len: longest qo_len (1 for decode); max_seq_len: bound on seq_lens (default page
+      table width × page_size) - both host ints, so no device sync and graph-capturable.
+    topk, init_blocks, local_blocks: sparse_topk_blocks, sparse_init_block, sparse_local_block;
+      blocks [0, init) and the last `local` visible blocks are always kept (init + local <= topk).
+    scores: optional [total_q, kv_heads, >= max_blocks] fp32 workspace; out: optional
+      (selected, count); blocks_per_program: scoring tuning (128-token blocks per program).
+    Returns selected [total_q, kv_heads, topk] int32 (ascending block ids, then -1 padding) and
+    count [total_q, kv_heads] int32 = min(topk, visible blocks).
+    """
+    _check(
+        index_q,
+        index_cache,
+        page_table,
+        seq_lens,
+        qo_indptr,
+        index_scale,
+        topk,
+        init_blocks,
+        local_blocks,
+    )
+    scores = block_scores(
+        index_q,
+        index_cache,
+        page_table,
+        seq_lens,
+        page_size,
+        scale,
+        qo_indptr,
+        max_qo_len,
+        max_seq_len,
+        index_scale,
+        scores,
+        blocks_per_program,
+    )
+    total_q, kv_heads = index_q.shape[:2]
+    if out is None:
+        out = (
+            torch.empty((total_q, kv_heads, topk), dtype=torch.int32, device=index_q.device),
+            torch.empty((total_q, kv_heads), dtype=torch.int32, device=index_q.device),
+        )
+    selected, count = out
+    assert (
+        selected.shape == (total_q, kv_heads, topk)
+        and selected.stride(2) == 1
+        and count.is_contiguous()
+    )
+    max_blocks = scores.shape[2]
+    topk_select_kernel[(max_qo_len * kv_heads, seq_lens.shape[0])](
+        scores,
+        selected,
+        count,
+        seq_lens,
+        seq_lens if qo_indptr is None else qo_indptr,
+        scores.stride(0),
+        scores.stride(1),
+        selected.stride(0),
+        selected.stride(1),
+        KV_HEADS=kv_heads,
+        TOPK=topk,
+        INIT=init_blocks,
+        LOCAL=local_blocks,
+        SBLOCK=SPARSE_BLOCK,
+        BLOCK_B=next_pow2(max_blocks),
+        BLOCK_K=next_pow2(topk),
+        DECODE=qo_indptr is None,
+        num_warps=4 if max_blocks <= 2048 else 8,
+    )
+    return selected, count

@@ -1,0 +1,209 @@
+"""AtomAttnBackend over a real SGLang token pool: page tables, chunked prefill, decode, fp8
+scales following reused slots, and the static-buffer (CUDA-graph) metadata path.
+
+The expected output is causal attention over the request's whole K/V history in float64.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HEADS, KV_HEADS, DIM = 4, 2, 64
+
+
+@pytest.fixture(autouse=True)
+def _parallel():
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_tp_size=1):
+        yield
+
+
+def _runner(page_size: int, kv_dtype: torch.dtype, slots: int = 512):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(slots, page_size, kv_dtype, KV_HEADS, DIM, 1, "cpu", False)
+    cfg = SimpleNamespace(
+        get_max_num_attention_heads=lambda: HEADS,
+        get_num_kv_heads=lambda tp: KV_HEADS,
+        head_dim=DIM,
+        context_len=256,
+        is_encoder_decoder=False,
+    )
+    req_to_token = torch.zeros(4, 256, dtype=torch.int32)
+    return SimpleNamespace(
+        model_config=cfg,
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        token_to_kv_pool=pool,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        kv_cache_dtype=kv_dtype,
+    )
+
+
+LAYER = SimpleNamespace(
+    tp_q_head_num=HEADS,
+    tp_k_head_num=KV_HEADS,
+    tp_v_head_num=KV_HEADS,
+    qk_head_dim=DIM,
+    v_head_dim=DIM,
+    scaling=DIM**-0.5,
+    layer_id=0,
+    logit_cap=0,
+    sliding_window_size=-1,
+    is_cross_attention=False,
+)
+
+
+def _assign_pages(runner, req: int, length: int, pages: list[int]) -> None:
+    ps = runner.page_size
+    slots = torch.tensor([pages[i // ps] * ps + i % ps for i in range(length)], dtype=torch.int32)
+    runner.req_to_token_pool.req_to_token[req, :length] = slots
+
+
+def _batch(runner, mode, reqs, prefix, new):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    rtt = runner.req_to_token_pool.req_to_token
+    locs = torch.cat([rtt[r, p : p + n] for r, p, n in zip(reqs, prefix, new, strict=True)])
+    seq = torch.tensor([p + n for p, n in zip(prefix, new, strict=True)], dtype=torch.int64)
+    return SimpleNamespace(
+        forward_mode=getattr(ForwardMode, mode),
+        seq_lens=seq,
+        seq_lens_cpu=seq,
+        req_pool_indices=torch.tensor(reqs),
+        extend_seq_lens=torch.tensor(new),
+        extend_seq_lens_cpu=list(new),
+        out_cache_loc=locs.to(torch.int64),
+        spec_info=None,
+    )
+
+
+def _expected(q, k_hist, v_hist, positions):
+    """q [n, H, D] at absolute positions over history [L, KV, D]; float64 causal attention."""
+    g = HEADS // KV_HEADS
+    k = k_hist.double().repeat_interleave(g, 1)
+    v = v_hist.double().repeat_interleave(g, 1)
+    out = []
+    for i, pos in enumerate(positions):
+        s = torch.einsum("hd,lhd->hl", q[i].double(), k[: pos + 1]) * DIM**-0.5
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v[: pos + 1]))
+    return torch.stack(out)
+
+
+def _run(backend, runner, mode, reqs, prefix, new, hist):
+    fb = _batch(runner, mode, reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    q = torch.randn(sum(new), HEADS, DIM, dtype=torch.bfloat16)
+    k = torch.cat([hist[r][0][p : p + n] for r, p, n in zip(reqs, prefix, new, strict=True)])
+    v = torch.cat([hist[r][1][p : p + n] for r, p, n in zip(reqs, prefix, new, strict=True)])
+    fwd = backend.forward_decode if mode == "DECODE" else backend.forward_extend
+    out = fwd(q.view(-1, HEADS * DIM), k, v, LAYER, fb).view(-1, HEADS, DIM)
+    expect, row = [], 0
+    for r, p, n in zip(reqs, prefix, new, strict=True):
+        expect.append(_expected(q[row : row + n], *hist[r], list(range(p, p + n))))
+        row += n
+    return out, torch.cat(expect)
+
+
+def _rel(out, ref):
+    assert not torch.isnan(out).any()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunked_prefill_then_decode(kv_dtype, page_size):
+    from sgl_atom.attention.backend import AtomAttnBackend
+
+    torch.manual_seed(0)
+    runner = _runner(page_size, kv_dtype)
+    backend = AtomAttnBackend(runner)
+    lens = {0: 40, 1: 23}
+    hist = {
+        r: (
+            torch.randn(n, KV_HEADS, DIM, dtype=torch.bfloat16) * 3,
+            torch.randn(n, KV_HEADS, DIM, dtype=torch.bfloat16),
+        )
+        for r, n in lens.items()
+    }
+    # scrambled, non-contiguous pages for both requests (page 0 is the pool's padding page)
+    perm = (torch.randperm(512 // page_size - 1) + 1).tolist()
+    n0, n1 = -(-lens[0] // page_size), -(-lens[1] // page_size)
+    pages = {0: perm[:n0], 1: perm[n0 : n0 + n1]}
+    for r in lens:
+        _assign_pages(runner, r, lens[r], pages[r])
+    tol = 2e-2 if kv_dtype == torch.bfloat16 else 8e-2
+    # prefill in two chunks (the second attends to a cached prefix), then two decode steps
+    out, ref = _run(backend, runner, "EXTEND", [0, 1], [0, 0], [17, 9], hist)
+    assert _rel(out, ref) < tol
+    out, ref = _run(backend, runner, "EXTEND", [0, 1], [17, 9], [21, 12], hist)
+    assert _rel(out, ref) < tol
+    for step in range(2):
+        out, ref = _run(backend, runner, "DECODE", [0, 1], [38 + step, 21 + step], [1, 1], hist)
+        assert _rel(out, ref) < tol
+
+
+def test_fp8_scales_follow_reused_slots():
+    """A slot freed by one request and reused by another carries the new request's scale."""
+    from sgl_atom.attention.backend import AtomAttnBackend
+
+    torch.manual_seed(1)
+    runner = _runner(16, torch.float8_e4m3fn)
+    backend = AtomAttnBackend(runner)
+    big = (
+        torch.randn(32, KV_HEADS, DIM, dtype=torch.bfloat16) * 200,
+        torch.randn(32, KV_HEADS, DIM, dtype=torch.bfloat16) * 200,
+    )
+    _assign_pages(runner, 0, 32, [4, 9])
+    _run(backend, runner, "EXTEND", [0], [0], [32], {0: big})
+    small = (
+        torch.randn(32, KV_HEADS, DIM, dtype=torch.bfloat16) * 1e-3,
+        torch.randn(32, KV_HEADS, DIM, dtype=torch.bfloat16) * 1e-3,
+    )
+    _assign_pages(runner, 1, 32, [9, 4])  # the same pages, in another order
+    out, ref = _run(backend, runner, "EXTEND", [1], [0], [32], {1: small})
+    assert _rel(out, ref) < 8e-2
+    k_scale = backend.scales.layer(0)[0]
+    assert k_scale[9 * 16 : 10 * 16].max() < 1e-3  # rewritten for the small values
+
+
+def test_static_buffer_metadata_matches_eager():
+    from sgl_atom.attention.backend import AtomAttnBackend
+
+    torch.manual_seed(2)
+    runner = _runner(16, torch.bfloat16)
+    backend = AtomAttnBackend(runner)
+    hist = {
+        0: (
+            torch.randn(30, KV_HEADS, DIM, dtype=torch.bfloat16),
+            torch.randn(30, KV_HEADS, DIM, dtype=torch.bfloat16),
+        )
+    }
+    _assign_pages(runner, 0, 30, [3, 8])
+    _run(backend, runner, "EXTEND", [0], [0], [29], hist)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    fb = _batch(runner, "DECODE", [0], [29], [1])
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    meta = backend.forward_metadata
+    assert meta.page_table.data_ptr() == backend.graph_state["page_table"].data_ptr()
+    q = torch.randn(1, HEADS * DIM, dtype=torch.bfloat16)
+    k, v = hist[0][0][29:30], hist[0][1][29:30]
+    graph_out = backend.forward_decode(q, k, v, LAYER, fb).clone()
+    backend.graph_state = None
+    backend.init_forward_metadata(fb)
+    eager_out = backend.forward_decode(q, k, v, LAYER, fb)
+    torch.testing.assert_close(graph_out, eager_out, rtol=1e-2, atol=1e-2)
+
+
+def test_unsupported_head_dim_is_named():
+    from sgl_atom.attention.backend import AtomAttnBackend, AtomConfigError
+
+    runner = _runner(16, torch.bfloat16)
+    runner.model_config.head_dim = 96
+    with pytest.raises(AtomConfigError, match=r"head_dim 96 is not supported.*\(64, 128, 256\)"):
+        AtomAttnBackend(runner)
