@@ -40,8 +40,10 @@ def register() -> list[str]:
 
 def _register_all() -> list[str]:
     from . import attention
+    from .spec import draft_kv_dtype
 
     names = attention.register()
+    names += draft_kv_dtype.register()
     if cpu_mode.cpu_mode_enabled():
         from .patches import cpu_fp8_kv, cpu_gloo_groups
 

@@ -42,4 +42,41 @@ LEDGER: tuple[LedgerEntry, ...] = (
         upstream="sglang 0.5.23 srt/mem_cache/kv_cache_configurator.py configure()",
         remove_when="SGLang asks the attention backend whether it reads fp8 KV on CPU",
     ),
+    LedgerEntry(
+        module="sgl_atom.patches.cli_args",
+        target="sglang.srt.server_args.ServerArgs.add_cli_args",
+        why=(
+            "SGLang builds its parser from ServerArgs fields and has no API for a plugin's own "
+            "flags. The AFTER hook adds the flags declared with cli_args.add_flag (today "
+            "--spec-decode-kv-cache-dtype, the alias of --speculative-draft-kv-cache-dtype)."
+        ),
+        upstream="sglang 0.5.23 srt/server_args.py ServerArgs.add_cli_args",
+        remove_when="SGLang offers an API for plugin CLI flags",
+    ),
+    LedgerEntry(
+        module="sgl_atom.patches.prepare_server_args",
+        target="sglang.srt.server_args.prepare_server_args",
+        why=(
+            "ServerArgs.from_cli_args copies known fields only, so the values of sgl_atom's "
+            "flags are dropped. The AFTER hook re-reads them from argv into "
+            "server_args._sgl_atom_cli, which survives the pickle to the schedulers."
+        ),
+        upstream="sglang 0.5.23 srt/server_args.py prepare_server_args / from_cli_args",
+        remove_when="SGLang carries plugin flags on ServerArgs",
+    ),
+    LedgerEntry(
+        module="sgl_atom.patches.draft_kv_budget",
+        target="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
+        why=(
+            "DefaultPoolConfigurator reserves an EAGLE/STANDALONE draft's layers at the "
+            "target's bytes per token whatever the draft's KV dtype, so an fp8 draft under a "
+            "bf16 target gets fewer KV tokens than fit. The AFTER hook re-prices the draft term "
+            "at the settled draft dtype and logs the draft pool's bytes and tokens gained."
+        ),
+        upstream=(
+            "sglang 0.5.23 srt/model_executor/pool_configurator.py DefaultPoolConfigurator."
+            "__init__ (EAGLE/STANDALONE draft_kv_size); HybridSWAPoolConfigurator ~736-810"
+        ),
+        remove_when="SGLang prices EAGLE/STANDALONE drafts with the draft's KV dtype",
+    ),
 )

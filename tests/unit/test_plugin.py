@@ -43,8 +43,12 @@ def test_register_twice_is_a_no_op(fresh_registry):
 
 def test_register_applies_no_cpu_patch_with_a_gpu(fresh_registry, monkeypatch):
     monkeypatch.setenv("SGL_ATOM_CPU_MODE", "off")
-    assert "patch:cpu_gloo_groups" not in plugin.register()
-    assert not fresh_registry._hooks
+    names = plugin.register()
+    assert "patch:cpu_gloo_groups" not in names and "patch:cpu_fp8_kv" not in names
+    from sgl_atom.patches import cpu_fp8_kv, cpu_gloo_groups
+
+    assert cpu_gloo_groups.TARGET not in fresh_registry._hooks
+    assert cpu_fp8_kv.TARGET not in fresh_registry._hooks
 
 
 def _patch_modules() -> set[str]:

@@ -1,0 +1,111 @@
+"""Price an EAGLE/STANDALONE draft's KV pool at the draft's own dtype.
+
+SGLang 0.5.23's ``DefaultPoolConfigurator`` reserves an EAGLE/STANDALONE draft's layers at the
+TARGET's bytes per token, whatever ``speculative_draft_kv_cache_dtype`` says, so an fp8 draft
+under a bf16 target is over-reserved (fewer KV tokens than fit) and a bf16 draft under an fp8
+target is under-reserved. An AFTER hook on ``create_memory_pool_configurator`` re-prices the
+draft term at the settled dtype (``server_args._sgl_atom_draft_kv``) and logs the draft pool's
+bytes and the token capacity gained. DFLASH/DSPARK drafts are already priced at their dtype
+upstream. Ledger: ``sgl_atom.patches.LEDGER``.
+"""
+
+from __future__ import annotations
+
+from ..log import get_logger
+from ..spec.draft_kv_budget import budget_line, draft_budget, kv_bytes_per_token
+
+TARGET = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
+logger = get_logger("sgl_atom.spec")
+
+
+def _upstream_skips(kvc) -> str | None:
+    """Why this pool keeps SGLang's budget (None when the hook re-prices it)."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.runtime_context import get_memory
+
+    if not kvc.spec_aux_config.eagle_draft_num_layers:
+        return "no draft layers reserved"
+    if kvc.fused_entry_bytes("full") is not None:
+        return "the draft is fused into the target's pool entries"
+    if kvc.use_mla_backend or is_deepseek_dsa(kvc.model_config.hf_config):
+        return "MLA/DSA target"
+    if get_memory().enable_hisparse:
+        return "HiSparse"
+    return None
+
+
+def _target_layers(kvc) -> int:
+    m = kvc.mambaish_config
+    if m:
+        lo, hi = kvc.layer_info.start_layer, kvc.layer_info.end_layer
+        return sum(lo <= i < hi for i in m.full_attention_layer_ids)
+    return kvc.layer_info.num_effective_layers
+
+
+def _draft_bytes_per_token(kvc, dtype: str) -> int:
+    mc = kvc.spec_aux_config.draft_model_config or kvc.model_config
+    try:
+        tp = kvc.draft_attn_tp_size
+    except Exception:  # noqa: BLE001 - no draft layout published: the target's attention TP
+        from sglang.srt.runtime_context import get_parallel
+
+        tp = get_parallel().attn_tp_size
+    return kv_bytes_per_token(
+        dtype,
+        kv_heads=mc.get_num_kv_heads(tp),
+        head_dim=mc.head_dim,
+        v_head_dim=mc.v_head_dim,
+        layers=int(kvc.spec_aux_config.eagle_draft_num_layers),
+    )
+
+
+def reprice_draft(configurator, kvc, *args, **kwargs):
+    """AFTER hook: the draft term of the configurator's cell size at the draft's own dtype."""
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    dk = getattr(kvc.server_args, "_sgl_atom_draft_kv", None)
+    algo = kvc.spec_algorithm
+    if dk is None or not dk.differs or kvc.is_draft_worker:
+        return None
+    if not (algo.is_eagle() or algo.is_standalone()):
+        return None
+    why = _upstream_skips(kvc)
+    if why is None and type(configurator) is not DefaultPoolConfigurator:
+        why = f"{type(configurator).__name__} pools"
+    if why is not None:
+        logger.warning("draft KV pool budgeted at the target's dtype (%s): %s", dk.target, why)
+        return None
+    target_cell = configurator._compute_cell_size(kvc, _target_layers(kvc))
+    upstream_draft = configurator._cell_size - target_cell
+    if upstream_draft <= 0:
+        return None
+    draft_cell = _draft_bytes_per_token(kvc, dk.settled)
+    configurator._cell_size = target_cell + draft_cell
+    _log_when_sized(configurator, target_cell, draft_cell, upstream_draft, dk)
+    return configurator
+
+
+def _log_when_sized(configurator, target_cell, draft_cell, upstream_draft, dk) -> None:
+    sizes = configurator.calculate_pool_sizes
+
+    def calculate_pool_sizes(available_bytes: int, page_size: int):
+        config = sizes(available_bytes, page_size)
+        budget = draft_budget(
+            available_bytes - configurator._fixed_overhead_bytes,
+            target_cell=target_cell,
+            draft_cell=draft_cell,
+            upstream_draft_cell=upstream_draft,
+            page_size=page_size,
+        )
+        logger.info(budget_line(budget, dk.settled, dk.target))
+        return config
+
+    configurator.calculate_pool_sizes = calculate_pool_sizes
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if any(h is reprice_draft for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
+        return
+    HookRegistry.register(TARGET, reprice_draft, HookType.AFTER)
