@@ -83,7 +83,7 @@ def time_sdpa_decode(batch, ctx):
     return ms
 
 
-def bench_store(copy_gbs):
+def bench_store(copy_gbs, log):
     rows = []
     tokens = 256 * 1024
     for fp8 in (False, True):
@@ -92,33 +92,34 @@ def bench_store(copy_gbs):
         kc, vc = (torch.empty(tokens, 8, D, device="cuda", dtype=dt) for _ in range(2))
         ks, vs = (torch.empty(tokens, 8, device="cuda") for _ in range(2)) if fp8 else (None, None)
         loc = torch.randperm(tokens, device="cuda")
-        best = None
-        for bt, nw in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
-            ms = time_ms(
-                lambda: kvq.store_kv(k, v, kc, vc, loc, ks, vs, block_t=bt, num_warps=nw),
-                graph=False,
-            )
-            best = min(best or (ms, bt, nw), (ms, bt, nw))
-        ms, bt, nw = best
         nbytes = (
             2 * tokens * 8 * D * (2 + (1 if fp8 else 2))
             + (2 * tokens * 8 * 4 if fp8 else 0)
             + tokens * 8
         )
-        gbs = nbytes / ms / 1e6
-        rows.append(
-            [
-                "store_kv " + ("fp8" if fp8 else "bf16"),
-                f"{tokens} tok x 8 kvh x {D}",
-                f"T{bt} w{nw}",
-                ms,
-                gbs,
-                gbs / copy_gbs,
-                "-",
-                "-",
-            ]
-        )
+        # (name, quant, configs (block_t, num_warps, heads per program)); fp8 "div" is the old one
+        variants = [("bf16", None, STORE_TUNE)]
+        if fp8:
+            variants = [("fp8 div (old)", "div", [(32, 4, 1)]), ("fp8", "fast", STORE_TUNE)]
+        for name, quant, cfgs in variants:
+            best = None
+            for bt, nw, hp in cfgs:
+                ms = time_ms(
+                    lambda: kvq.store_kv(
+                        k, v, kc, vc, loc, ks, vs, bt, nw, quant=quant, heads_per_program=hp
+                    ),
+                    graph=False,
+                )
+                log(f"store {name} T{bt} w{nw} H{hp}: {ms:.4f} ms")
+                best = min(best or (ms, bt, nw, hp), (ms, bt, nw, hp))
+            ms, bt, nw, hp = best
+            gbs = nbytes / ms / 1e6
+            row = [f"store_kv {name}", f"{tokens} tok x 8 kvh x {D}", f"T{bt} w{nw} H{hp}"]
+            rows.append(row + [ms, gbs, gbs / copy_gbs, "-", "-"])
     return rows
+
+
+STORE_TUNE = [(8, 4, 1), (16, 4, 1), (32, 4, 1), (64, 8, 1), (16, 4, 8), (32, 4, 8), (32, 8, 8)]
 
 
 DECODE_TUNE = [
@@ -135,13 +136,21 @@ DECODE_TUNE = [
 ]
 
 
+# fp8: K/V cast to fp16 (q scaled into fp16 range), or to bf16 as before (kv_mode "bf16")
+DECODE_TUNE_FP8 = [dict(kv_mode="bf16", block_n=128, num_warps=4, num_stages=2)] + [
+    dict(kv_mode="f16", block_n=bn, num_warps=w, num_stages=s)
+    for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 4, 2))
+]
+FP8_OLD = dict(kv_mode="bf16", block_n=128, num_warps=4, num_stages=2)
+
+
 def tune_decode(log):
     """Best tuning per kv dtype on three shapes (sum of times), then the best split waves."""
     picks = {}
     for fp8 in (False, True):
         shapes = ((1, 32768), (32, 32768), (8, 8192))
         scores = []
-        for cfg in DECODE_TUNE:
+        for cfg in DECODE_TUNE_FP8 if fp8 else DECODE_TUNE:
             try:
                 t = sum(time_decode(b, c, 64, fp8, **cfg)[0] for b, c in shapes)
             except Exception as e:  # a config can run out of shared memory
@@ -175,13 +184,15 @@ def bench_decode(copy_gbs, picks, log):
                 ("bf16", 64, False),
                 ("bf16-ps16", 16, False),
                 ("fp8", 64, True),
+                ("fp8-bf16cast (old)", 64, True),
             ):
-                if name == "bf16-ps16" and ctx != 32768:
+                if name in ("bf16-ps16", "fp8-bf16cast (old)") and ctx != 32768:
                     continue
                 p = picks[fp8]
-                res[name] = time_decode(batch, ctx, page, fp8, waves=p["waves"], **p["cfg"])
+                cfg = FP8_OLD if "old" in name else p["cfg"]
+                res[name] = time_decode(batch, ctx, page, fp8, waves=p["waves"], **cfg)
             for name, (ms, splits) in res.items():
-                gbs = kv_bytes(batch, ctx, name == "fp8") / ms / 1e6
+                gbs = kv_bytes(batch, ctx, name.startswith("fp8")) / ms / 1e6
                 rows.append(
                     [
                         f"decode {name}",
@@ -303,10 +314,93 @@ def plot(points, path):
     fig.savefig(path, dpi=110)
 
 
+def sweep(log):
+    """Variants side by side (fp8 store arithmetic, fp8 decode dot modes and tiles), with checks:
+    store bytes against torch's cast, decode outputs against the bf16-cast mode."""
+    tokens = 256 * 1024
+    k, v = (torch.randn(tokens, 8, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    loc = torch.randperm(tokens, device="cuda")
+    want = [torch.empty(tokens, 8, D, device="cuda", dtype=FP8) for _ in range(2)]
+    want += [torch.empty(tokens, 8, device="cuda") for _ in range(2)]
+    kvq.reference_store_kv(k, v, *want[:2], loc, *want[2:])
+    for quant in ("div", "rcp", "fast"):
+        got = [torch.empty_like(w) for w in want]
+        for g in got:
+            g.view(torch.uint8).fill_(0x55)
+        kvq.store_kv(k, v, *got[:2], loc, *got[2:], quant=quant)
+        bad = sum(
+            int((g.view(torch.uint8) != w.view(torch.uint8)).sum())
+            for g, w in zip(got, want, strict=True)
+        )
+        for bt, nw in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8)):
+            ms = time_ms(
+                lambda: kvq.store_kv(
+                    k, v, *got[:2], loc, *got[2:], block_t=bt, num_warps=nw, quant=quant
+                ),
+                graph=False,
+            )
+            log(f"store fp8 quant={quant} T{bt} w{nw}: {ms:.4f} ms, bytes differing {bad}")
+    cfgs = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 4, 2), (256, 8, 2)]
+    for batch in (8, 32, 1):
+        ctx = 32768
+        kf, vf, ks, vs, table, lens = paged(batch, ctx, 64, True)
+        kb, vb, _, _, tb, _ = paged(batch, ctx, 64, False)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+        def run(fp8, waves=2.0, **cfg):
+            splits = pa.decode_num_splits(batch, HKV, ctx, sms, waves)
+            ws = pa.decode_workspace(batch, HQ, D, splits, "cuda")
+            out = torch.empty_like(q)
+            kk, vv, tt = (kf, vf, table) if fp8 else (kb, vb, tb)
+            fn = lambda: pa.decode_fwd(
+                q,
+                kk,
+                vv,
+                tt,
+                lens,
+                64,
+                D**-0.5,
+                out=out,
+                k_scale=ks if fp8 else None,
+                v_scale=vs if fp8 else None,
+                workspace=ws,
+                **cfg,
+            )
+            return time_ms(fn), fn()
+
+        bf16_ms, _ = run(False, block_n=64, num_warps=4, num_stages=4)
+        base_ms, base = run(True, kv_mode="bf16", block_n=128, num_warps=4, num_stages=2)
+        log(f"b{batch} 32K: bf16 {bf16_ms:.4f} ms; fp8 old (bf16 cast) {base_ms:.4f} ms")
+        variants = [("f16", c, 2.0) for c in cfgs] + [("f16", (128, 4, 2), 4.0)]
+        variants += [("fp8", (128, 4, 2), 2.0), ("bf16", (64, 4, 2), 2.0)]
+        for mode, (bn, nw, st), waves in variants:
+            try:
+                ms, o = run(True, waves, kv_mode=mode, block_n=bn, num_warps=nw, num_stages=st)
+            except Exception as e:
+                log(f"b{batch} fp8 {mode} N{bn} w{nw} s{st} failed: {e!r:.200}")
+                continue
+            err = ((o.double() - base.double()).norm() / base.double().norm()).item()
+            log(
+                f"b{batch} 32K fp8 {mode} N{bn} w{nw} s{st} waves{waves}: {ms:.4f} ms, "
+                f"x{bf16_ms / ms:.2f} of bf16, rel diff vs old {err:.1e}"
+            )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--sweep", action="store_true", help="only time the variants side by side")
     args = ap.parse_args()
+    if args.sweep:
+        with open(os.path.join(args.out, "paged_attention_sweep.log"), "w") as f:
+
+            def log(msg):
+                print(msg, flush=True)
+                f.write(msg + "\n")
+
+            sweep(log)
+        return
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "paged_attention.log"), "w")
 
@@ -356,7 +450,7 @@ def main():
             )
         return text
 
-    rows += bench_store(copy_gbs)
+    rows += bench_store(copy_gbs, log)
     emit()
     rows += bench_extend(mm, log)
     emit()

@@ -61,24 +61,57 @@ def _frontend_section(srv: Server, max_tokens: int) -> None:
     print(f"  [sgl.function] batch of {len(states)} in {dt:.2f}s")
 
 
+MODES = {
+    "plain": [],
+    "atom-fp8": [
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        "atom",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--page-size",
+        "16",
+    ],
+}
+
+
+def run_mode(model: Path, mode: str, extra: list[str], max_new: int) -> None:
+    args = ["--max-total-tokens", "4096", *MODES[mode], *extra]
+    print(f"== [{mode}] launch_server {' '.join(MODES[mode]) or '(SGLang defaults)'}")
+    t0 = time.time()
+    with Server(model, args, name=f"demo-{mode}") as srv:
+        print(f"== [{mode}] server up at {srv.url} in {time.time() - t0:.1f}s")
+        print(f"== [{mode}] OpenAI client (/v1/completions, /v1/chat/completions)")
+        _openai_section(srv, max_new)
+        print(f"== [{mode}] SGLang frontend language (sgl.function + sgl.gen)")
+        _frontend_section(srv, max_new)
+        for line in srv.log_text().splitlines():
+            if "atom attention:" in line or "fp8 KV scales" in line:
+                print(f"   server log: {line.strip()}")
+    print(f"== [{mode}] server stopped ({time.time() - t0:.1f}s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="sgl_atom demo")
     ap.add_argument("--model-path", type=Path, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument(
+        "--mode",
+        action="append",
+        choices=sorted(MODES),
+        help="server configuration(s) to run (default: all, in turn)",
+    )
     ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server arg")
     args = ap.parse_args(argv)
     model = args.model_path or tiny.build(cache_dir() / "tiny" / "llama", "llama")
-    mode = "CPU reference mode" if cpu_mode_enabled() else "GPU"
-    print(f"== sgl_atom demo: {model} ({mode})")
+    where = "CPU reference mode" if cpu_mode_enabled() else "GPU"
+    print(f"== sgl_atom demo: {model} ({where})")
     extra = [a for arg in args.server_arg for a in arg.split()]
     t0 = time.time()
-    with Server(model, ["--max-total-tokens", "4096", *extra], name="demo") as srv:
-        print(f"== server up at {srv.url} in {time.time() - t0:.1f}s")
-        print("== OpenAI client (/v1/completions, /v1/chat/completions)")
-        _openai_section(srv, args.max_new_tokens)
-        print("== SGLang frontend language (sgl.function + sgl.gen)")
-        _frontend_section(srv, args.max_new_tokens)
-    print(f"== server stopped; demo done in {time.time() - t0:.1f}s")
+    for mode in args.mode or list(MODES):
+        run_mode(model, mode, extra, args.max_new_tokens)
+    print(f"== demo done in {time.time() - t0:.1f}s")
     return 0
 
 

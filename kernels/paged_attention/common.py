@@ -114,13 +114,21 @@ def attend_tile(
     HEAD_DIM: tl.constexpr,
     FP8: tl.constexpr,
     MASKED: tl.constexpr,
+    KV_MODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one sequence.
 
     Rows are query rows (q [BLOCK_M, HEAD_DIM]); keys are gathered through the page table row.
     With MASKED, a key counts only when key < bound and key <= row_limit[row]; scores are in the
     log2 domain (qk_scale includes log2(e)). fp8 K/V are cast to q's dtype for the dot and their
-    per-token scales applied to the scores (K) and to the probabilities (V).
+    per-token scales applied to the scores (K) and to the probabilities (V), never to elements.
+
+    fp8 KV_MODE (see `prepare_q`): 0 casts K/V to q's dtype (bf16); 1 casts them to fp16, which
+    e4m3 converts to exactly in one instruction per pair, with q pre-scaled into fp16 range;
+    2 dots q quantized to e4m3 with the fp8 K as stored, V as in 1. In modes 1 and 2 qk_scale is
+    a [BLOCK_M] vector (q's row scale folded in) and the probabilities are scaled by v_scale over
+    the tile's largest v_scale, which multiplies the tile's p @ V once.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -137,7 +145,9 @@ def attend_tile(
     else:
         k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :])
     s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    if FP8:
+    if FP8 and KV_MODE > 0:
+        s = s * qk_scale[:, None] * tl.load(ks_base + slot * stride_st)[None, :]
+    elif FP8:
         s = s * (tl.load(ks_base + slot * stride_st) * qk_scale)[None, :]
     else:
         s = s * qk_scale
@@ -155,7 +165,40 @@ def attend_tile(
         )
     else:
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :])
-    if FP8:
-        p = p * tl.load(vs_base + slot * stride_st)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    if FP8 and KV_MODE > 0:
+        vsc = tl.load(vs_base + slot * stride_st)
+        vmax = tl.max(vsc, 0)
+        p = p * (vsc * (1.0 / vmax))[None, :]
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        acc = acc * alpha[:, None] + pv * vmax
+    else:
+        if FP8:
+            p = p * tl.load(vs_base + slot * stride_st)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return acc, m_new, l_i
+
+
+@triton.jit
+def prepare_q(q, qk_scale, FP8: tl.constexpr, KV_MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    """(dot operand, score scale) for q [BLOCK_M, HEAD_DIM] as loaded, per `attend_tile` mode.
+
+    Mode 1: q times a power of two per row, so its largest element lies in [256, 512): exact in
+    fp16 (bf16's 8-bit significand fits in fp16's 11). Mode 2: e4m3 with scale amax / 448."""
+    qd = q
+    qsc = qk_scale
+    if FP8 and KV_MODE > 0:
+        qf = q.to(tl.float32)
+        qmax = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)
+        if KV_MODE == 1:
+            qs = tl.math.exp2(tl.floor(tl.math.log2(qmax)) - 8.0)
+            qd = (qf * (1.0 / qs)[:, None]).to(tl.float16)
+        else:
+            qs = qmax / 448.0
+            qd = (qf / qs[:, None]).to(tl.float8e4nv)
+        qsc = qs * qk_scale
+    if DOT_F32:  # Triton's CPU interpreter multiplies 16-bit dot operands as raw bits
+        qd = qd.to(tl.float32)
+    return qd, qsc

@@ -11,9 +11,15 @@ import triton
 import triton.language as tl
 
 from ..common import next_pow2
-from .common import LOG2E, attend_tile, check_inputs, on_cpu
+from .common import LOG2E, attend_tile, check_inputs, on_cpu, prepare_q
 
 MAX_SPLITS = 128
+# how fp8 K/V meet q in the dots (common.attend_tile): "bf16" casts K/V to bf16, "f16" to fp16
+# (one conversion instruction per pair) with q scaled into fp16 range, "fp8" dots e4m3 q with K
+# (q's own quantization error: ~5e-2 relative, too coarse). "f16" measured 5-15% slower than
+# "bf16" on H200 (benchmarks/results/paged_attention.log), so "bf16" stays the default.
+KV_MODES = {"bf16": 0, "f16": 1, "fp8": 2}
+DEFAULT_KV_MODE = "bf16"
 MIN_SPLIT_TOKENS = 256  # below this a split costs more in launch and merge than it saves
 _NUM_SMS: dict[int, int] = {}
 
@@ -49,6 +55,7 @@ def decode_fwd_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FP8: tl.constexpr,
+    KV_MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -74,8 +81,8 @@ def decode_fwd_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 dot operands as raw bits
-        q = q.to(tl.float32)
+    # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
+    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
     row_limit = seq_len - NUM_Q + tok
 
     k_base = K + kvh * HEAD_DIM
@@ -109,6 +116,8 @@ def decode_fwd_kernel(
             HEAD_DIM,
             FP8,
             False,
+            KV_MODE,
+            DOT_F32,
         )
     for start_n in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
@@ -133,6 +142,8 @@ def decode_fwd_kernel(
             HEAD_DIM,
             FP8,
             True,
+            KV_MODE,
+            DOT_F32,
         )
 
     has = l_i > 0
@@ -255,6 +266,7 @@ def split_kv_attention(
     block_n=None,
     num_warps=None,
     num_stages=None,
+    kv_mode=None,
 ):
     """Shared launcher of decode (num_q = 1) and verify (num_q = draft tokens per sequence)."""
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
@@ -291,6 +303,7 @@ def split_kv_attention(
         )
     cfg = _config(head_dim, rows, fp8, on_cpu(q))
     block_n = block_n or cfg["block_n"]
+    kv_mode = KV_MODES[kv_mode or DEFAULT_KV_MODE] if fp8 else 0
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     decode_fwd_kernel[(batch, kv_heads, num_splits)](
         q,
@@ -322,6 +335,7 @@ def split_kv_attention(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         FP8=fp8,
+        KV_MODE=kv_mode,
         DOT_F32=on_cpu(q),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
@@ -378,7 +392,7 @@ def decode_fwd(
       default `decode_num_splits` (from workspace's split dim when a workspace is given).
     workspace: `decode_workspace(batch, q_heads, head_dim, max_splits)` buffers, for graphs.
     max_context: bound on seq_lens used to pick num_splits (default page_table width × page).
-    tuning: block_n, num_warps, num_stages overrides.
+    tuning: block_n, num_warps, num_stages, kv_mode (fp8: a `KV_MODES` name) overrides.
     Returns out.
     """
     return split_kv_attention(

@@ -100,6 +100,8 @@ def extend_fwd_kernel(
             HEAD_DIM,
             FP8,
             False,
+            0,
+            DOT_F32,
         )
     for start_n in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
@@ -124,6 +126,8 @@ def extend_fwd_kernel(
             HEAD_DIM,
             FP8,
             True,
+            0,
+            DOT_F32,
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(

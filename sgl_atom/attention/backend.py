@@ -110,8 +110,12 @@ class AtomAttnBackend(AttentionBackend):
             else "",
         )
 
+    @property
+    def on_cpu(self) -> bool:
+        return str(self.device).startswith("cpu")
+
     def _check_interpreter(self) -> None:
-        if self.device == "cpu" or str(self.device).startswith("cpu"):
+        if self.on_cpu:
             import os
 
             if os.environ.get("TRITON_INTERPRET") != "1":
@@ -170,7 +174,9 @@ class AtomAttnBackend(AttentionBackend):
                 qo_indptr,
                 int(max_qo),
             )
-        if mode.is_decode() or mode.is_target_verify():
+        if (mode.is_decode() or mode.is_target_verify()) and not self.on_cpu:
+            # on CPU (Triton's interpreter) programs run one after another: splitting the
+            # context only adds work
             meta.num_splits = min(MAX_SPLITS, decode_num_splits(bs, self.kv_heads, max_kv))
         self.forward_metadata = meta
 

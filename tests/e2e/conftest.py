@@ -18,6 +18,7 @@ from sgl_atom.testing.server import Server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.e2e)
@@ -41,6 +42,22 @@ class ServerPool:
         for srv in self.started:
             srv.stop()
             assert srv.proc is None or srv.proc.poll() is not None, f"{srv.name} still running"
+
+
+_REPORT: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """Record a measured figure; all of them are printed at the end of the run."""
+    return _REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("sgl_atom e2e figures")
+        for line in _REPORT:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

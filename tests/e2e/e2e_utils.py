@@ -16,3 +16,49 @@ BASE_ARGS = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
 
 def greedy_texts(srv: Server, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
     return [o["output_ids"] for o in srv.generate(list(prompts), max_new_tokens=max_new)]
+
+
+def word_prompts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 40) -> list[str]:
+    """``n`` deterministic prompts from the tiny tokenizer's vocabulary, of mixed lengths."""
+    import random
+
+    from sgl_atom.testing.tiny import _WORDS
+
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words)))
+        for _ in range(n)
+    ]
+
+
+def greedy_from_ids(srv: Server, input_ids: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy continuations of token-id prompts (``ignore_eos``, exactly ``max_new`` tokens)."""
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True},
+    }
+    return [o["output_ids"] for o in srv.post("/generate", payload)]
+
+
+def teacher_forced_logprobs(srv: Server, sequences: list[list[int]], top: int = 0):
+    """Log-prob of every token of each sequence given its prefix (the first token has none).
+
+    With ``top`` > 0 also returns, per sequence and position, the gap between the best and the
+    second-best log-prob there (how close the greedy choice was to a tie).
+    """
+    payload = {
+        "input_ids": sequences,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": max(top, 0),
+    }
+    outs = srv.post("/generate", payload)
+    lps = [[lp for lp, _tok, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+    if not top:
+        return lps
+    gaps = [
+        [None if t is None else t[0][0] - t[1][0] for t in o["meta_info"]["input_top_logprobs"]]
+        for o in outs
+    ]
+    return lps, gaps

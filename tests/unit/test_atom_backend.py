@@ -207,3 +207,12 @@ def test_unsupported_head_dim_is_named():
     runner.model_config.head_dim = 96
     with pytest.raises(AtomConfigError, match=r"head_dim 96 is not supported.*\(64, 128, 256\)"):
         AtomAttnBackend(runner)
+
+
+def test_unsupported_fp8_dtype_is_named():
+    from sgl_atom.attention.backend import AtomAttnBackend, AtomConfigError
+
+    runner = _runner(16, torch.bfloat16)
+    runner.kv_cache_dtype = torch.float8_e5m2
+    with pytest.raises(AtomConfigError, match=r"float8_e5m2 is not supported.*float8_e4m3fn"):
+        AtomAttnBackend(runner)
