@@ -217,24 +217,22 @@ class AtomAttnBackend(AttentionBackend):
 
     # ---- forward --------------------------------------------------------------------------
 
-    def _store(self, layer, forward_batch, k, v) -> None:
-        pool = self.token_to_kv_pool
-        loc = forward_batch.out_cache_loc
-        k = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
-        v = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
-        if self.per_tensor_fp8:
-            # upstream's own fp8 store: one per-tensor scale (1.0)
-            pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
-            return
-        kc, vc = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        ks, vs = self.scales.layer(layer.layer_id) if self.fp8 else (None, None)
-        store_kv(k, v, kc, vc, loc.to(torch.int64), ks, vs)
-
     def _cache(self, layer):
         pool = self.token_to_kv_pool
         kc, vc = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         ks, vs = self.scales.layer(layer.layer_id) if self.fp8 else (None, None)
         return kc, vc, ks, vs
+
+    def _store(self, layer, forward_batch, k, v) -> None:
+        loc = forward_batch.out_cache_loc
+        k = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        v = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
+        if self.per_tensor_fp8:
+            # upstream's own fp8 store: one per-tensor scale (1.0)
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+            return
+        kc, vc, ks, vs = self._cache(layer)
+        store_kv(k, v, kc, vc, loc.to(torch.int64), ks, vs)
 
     def _check_layer(self, layer) -> None:
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
@@ -246,7 +244,8 @@ class AtomAttnBackend(AttentionBackend):
         if getattr(layer, "is_cross_attention", False):
             raise AtomConfigError("atom backend: cross-attention is not supported")
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool):
+        """Write this step's K/V, then attend with the kernel the forward mode needs."""
         self._check_layer(layer)
         if save_kv_cache and k is not None:
             self._store(layer, forward_batch, k, v)
@@ -254,63 +253,33 @@ class AtomAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = torch.empty_like(q3)
         kc, vc, ks, vs = self._cache(layer)
-        decode_fwd(
-            q3,
-            kc,
-            vc,
-            meta.page_table,
-            meta.kv_lens,
-            self.page_size,
-            layer.scaling,
-            out=o,
-            k_scale=ks,
-            v_scale=vs,
-            num_splits=meta.num_splits,
-            workspace=getattr(self, "graph_workspace", None) if self.graph_state else None,
-            max_context=meta.max_kv_len,
-        )
-        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        self._check_layer(layer)
-        if save_kv_cache and k is not None:
-            self._store(layer, forward_batch, k, v)
-        meta = self.forward_metadata
-        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = torch.empty_like(q3)
-        kc, vc, ks, vs = self._cache(layer)
-        if forward_batch.forward_mode.is_target_verify():
-            verify_fwd(
-                q3,
-                kc,
-                vc,
-                meta.page_table,
-                meta.kv_lens,
-                self.page_size,
-                layer.scaling,
-                meta.num_draft,
-                out=o,
-                k_scale=ks,
-                v_scale=vs,
-                num_splits=meta.num_splits,
-                max_context=meta.max_kv_len,
-            )
+        args = (q3, kc, vc, meta.page_table, meta.kv_lens)
+        kw = dict(out=o, k_scale=ks, v_scale=vs)
+        mode = forward_batch.forward_mode
+        if mode.is_decode() or mode.is_target_verify():
+            kw.update(num_splits=meta.num_splits, max_context=meta.max_kv_len)
+            if self.graph_state is not None:
+                kw["workspace"] = self.graph_workspace
+        if mode.is_decode():
+            decode_fwd(*args, self.page_size, layer.scaling, **kw)
+        elif mode.is_target_verify():
+            verify_fwd(*args, self.page_size, layer.scaling, meta.num_draft, **kw)
         else:
             extend_fwd(
-                q3,
-                kc,
-                vc,
-                meta.page_table,
-                meta.kv_lens,
+                *args,
                 meta.qo_indptr,
                 self.page_size,
                 layer.scaling,
-                out=o,
-                k_scale=ks,
-                v_scale=vs,
                 max_qo_len=meta.max_qo_len,
+                **kw,
             )
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def support_triton(self):
         return True

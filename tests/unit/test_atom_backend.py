@@ -216,3 +216,36 @@ def test_unsupported_fp8_dtype_is_named():
     runner.kv_cache_dtype = torch.float8_e5m2
     with pytest.raises(AtomConfigError, match=r"float8_e5m2 is not supported.*float8_e4m3fn"):
         AtomAttnBackend(runner)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_atom.attention.backend import AtomAttnBackend
+
+    torch.manual_seed(3)
+    runner = _runner(16, kv_dtype)
+    backend = AtomAttnBackend(runner)
+    hist = {
+        r: (
+            torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
+            torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
+        )
+        for r in (0, 1)
+    }
+    _assign_pages(runner, 0, 34, [5, 2, 11])
+    _assign_pages(runner, 1, 34, [7, 9, 3])
+    _run(backend, runner, "EXTEND", [0, 1], [0, 0], [30, 30], hist)
+    # verify 4 draft tokens per request: seq_lens holds the committed length (30)
+    fb = _batch(runner, "EXTEND", [0, 1], [30, 30], [4, 4])
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    fb.seq_lens = fb.seq_lens_cpu = torch.tensor([30, 30])
+    fb.spec_info = SimpleNamespace(draft_token_num=4)
+    backend.init_forward_metadata(fb)
+    q = torch.randn(8, HEADS, DIM, dtype=torch.bfloat16)
+    k = torch.cat([hist[r][0][30:34] for r in (0, 1)])
+    v = torch.cat([hist[r][1][30:34] for r in (0, 1)])
+    out = backend.forward_extend(q.view(8, -1), k, v, LAYER, fb).view(8, HEADS, DIM)
+    ref = torch.cat([_expected(q[4 * r : 4 * r + 4], *hist[r], [30, 31, 32, 33]) for r in (0, 1)])
+    assert _rel(out, ref) < (2e-2 if kv_dtype == torch.bfloat16 else 8e-2)
