@@ -6,10 +6,11 @@ importable as a top-level ``kernels``.
 
 from setuptools import find_packages, setup
 
-packages = ["sgl_atom"] + [f"sgl_atom.{p}" for p in find_packages("sgl_atom")]
+packages = ["sgl_atom", "sgl_atom.csrc"] + [f"sgl_atom.{p}" for p in find_packages("sgl_atom")]
 packages += ["sgl_atom.kernels"] + [f"sgl_atom.kernels.{p}" for p in find_packages("kernels")]
 
 setup(
     packages=packages,
+    package_data={"sgl_atom.csrc": ["*.c"]},
     package_dir={"sgl_atom": "sgl_atom", "sgl_atom.kernels": "kernels"},
 )
