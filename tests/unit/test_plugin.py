@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -12,19 +13,34 @@ import sgl_atom.patches as patches_pkg
 from sgl_atom import plugin
 
 
+def _owner_and_raw(target: str):
+    owner_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    raw = owner.__dict__[attr] if attr in getattr(owner, "__dict__", {}) else getattr(owner, attr)
+    return owner, attr, raw
+
+
 @pytest.fixture
 def fresh_registry(monkeypatch):
-    """A clean HookRegistry and a not-yet-registered plugin; original SGLang restored after."""
-    from sglang.srt.distributed import parallel_state
+    """A clean HookRegistry and a not-yet-registered plugin; every ledger target of SGLang is
+    restored afterwards (also where HookRegistry propagated a patch into other modules)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    original = parallel_state.init_model_parallel_group
+    saved = [_owner_and_raw(e.target) for e in patches_pkg.LEDGER]
+    before = [getattr(owner, attr) for owner, attr, _ in saved]
     HookRegistry.reset()
     monkeypatch.setattr(plugin, "_registered", None)
     monkeypatch.setenv("SGL_ATOM_CPU_MODE", "on")
     yield HookRegistry
     HookRegistry.reset()
-    parallel_state.init_model_parallel_group = original
+    for (owner, attr, raw), original in zip(saved, before, strict=True):
+        patched = getattr(owner, attr)
+        setattr(owner, attr, raw)
+        if patched is not original:
+            for mod in list(sys.modules.values()):
+                for name, value in list(getattr(mod, "__dict__", {}).items()):
+                    if value is patched:
+                        setattr(mod, name, original)
 
 
 def test_entry_point_resolves_to_register():
@@ -67,15 +83,16 @@ def test_every_patch_module_has_a_ledger_entry():
         assert hasattr(pkgutil.resolve_name(owner), attr), entry.target
 
 
-def test_gloo_patch_keeps_the_original_and_only_changes_gloo(fresh_registry):
-    from sglang.srt.distributed import parallel_state
-
-    original = parallel_state.init_model_parallel_group
+@pytest.mark.parametrize("entry", patches_pkg.LEDGER, ids=lambda e: e.module.rsplit(".", 1)[1])
+def test_every_patch_wraps_and_keeps_its_original(fresh_registry, entry):
+    owner, attr, _ = _owner_and_raw(entry.target)
+    original = getattr(owner, attr)
     plugin.register()
     fresh_registry.apply_hooks()
     fresh_registry.apply_hooks()  # a second apply must not wrap twice
-    patched = parallel_state.init_model_parallel_group
-    assert patched is not original and patched.__wrapped__ is original
+    patched = getattr(owner, attr)
+    assert patched is not original, f"{entry.target} was not patched"
+    assert patched.__wrapped__ is original, f"{entry.target} lost its original"
 
 
 def test_gloo_hook_forces_pynccl_off_for_gloo_only():
