@@ -111,6 +111,47 @@ def _llama(out: Path, vocab: int, spec: dict) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def _dspark(out: Path, vocab: int, spec: dict) -> None:
+    """A random DSpark draft for the ``llama`` target: taps, projection, draft layers, Markov head.
+
+    The tokenizer written beside it is the target's (same corpus, same vocabulary size); the
+    draft borrows the target's embedding and LM head, so neither is in this checkpoint.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    from sgl_atom.spec.dspark.config import DSparkDraftConfig
+    from sgl_atom.spec.dspark.weights import init_draft_weights
+
+    target = spec["target"]
+    mask_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(spec["mask_token"])
+    cfg = DSparkDraftConfig(
+        architecture=spec["architecture"],
+        hidden_size=target["hidden"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=target["hidden"] // spec["heads"],
+        intermediate_size=spec["intermediate"],
+        vocab_size=vocab,
+        block_size=spec["block_size"],
+        target_layer_ids=tuple(spec["target_layer_ids"]),
+        num_target_layers=target["layers"],
+        mask_token_id=mask_id,
+        markov_rank=spec["markov_rank"],
+        rms_norm_eps=1e-5,
+        max_position_embeddings=target["max_pos"],
+        target_hidden_size=target["hidden"],
+    )
+    cfg = DSparkDraftConfig.from_hf_dict(cfg.to_hf_dict())  # validates what is written
+    extra = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    extra |= dict(hidden_act="silu", attention_bias=False, torch_dtype="float32")
+    hf = cfg.to_hf_dict() | extra
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    weights = init_draft_weights(cfg, seed=spec["seed"], init_range=spec["init_range"])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _add_kv_outliers(model, head_dim: int, k_channels: tuple, k_gain: float, v_gain: float):
     """Give K a few large channels per head and V a small range, as trained models have.
 
@@ -172,6 +213,27 @@ KINDS: dict[str, tuple[dict, Callable[[Path, int, dict], None]]] = {
         _llama,
     ),
 }
+
+# A DSpark draft for the "llama" target. Taps stop below the target's last layer, whose output
+# SGLang's Llama does not capture; MASK is <pad>, a token generation never produces.
+KINDS["dspark"] = (
+    dict(
+        target=dict(KINDS["llama"][0]),
+        architecture="AtomDSparkDraftModel",
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=512,
+        block_size=4,
+        target_layer_ids=[1, 2],
+        markov_rank=32,
+        mask_token="<pad>",
+        init_range=0.05,
+        seed=1,
+        vocab=512,
+    ),
+    _dspark,
+)
 
 
 def _spec_digest(kind: str, spec: dict) -> str:

@@ -1,0 +1,74 @@
+"""The DSpark low-rank Markov head: left-to-right greedy refinement of a drafted block.
+
+One draft pass gives base logits U_j for every block position j at once. The Markov head then
+walks the block left to right, biasing each position by the token chosen just before it:
+
+    logits_j = U_j + W1[x_{j-1}] @ W2^T,    x_j = argmax(logits_j),    x_{-1} = anchor
+
+W1 and W2 are both [vocab, rank] (checkpoint names ``markov_head.markov_w1.weight``, an
+embedding, and ``markov_head.markov_w2.weight``, a rank -> vocab linear). The walk is sequential
+over the k block positions and batched over requests. Sums run in float32; ties go to the lowest
+token id (torch.argmax returns the first maximum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def markov_step_logits(
+    base_logits: torch.Tensor, prev_tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """One position's refined logits.
+
+    base_logits: [batch, vocab] any float dtype; prev_tokens: [batch] int;
+    w1, w2: [vocab, rank]. Returns float32 [batch, vocab].
+    """
+    bias = w1[prev_tokens.long()].float() @ w2.float().T
+    return base_logits.float() + bias
+
+
+def markov_refine(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    return_logits: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Greedy left-to-right refinement of a drafted block.
+
+    base_logits: [batch, k, vocab] (float); anchor: [batch] int, the last committed token;
+    w1, w2: [vocab, rank] with the same vocab as base_logits.
+    Returns the drafted tokens [batch, k] int64, and with ``return_logits`` also the refined
+    float32 logits [batch, k, vocab].
+    """
+    _check(base_logits, anchor, w1, w2)
+    batch, k, vocab = base_logits.shape
+    tokens = torch.empty(batch, k, dtype=torch.int64, device=base_logits.device)
+    logits = (
+        torch.empty(batch, k, vocab, dtype=torch.float32, device=base_logits.device)
+        if return_logits
+        else None
+    )
+    prev = anchor.long()
+    for j in range(k):
+        step = markov_step_logits(base_logits[:, j], prev, w1, w2)
+        prev = step.argmax(dim=-1)
+        tokens[:, j] = prev
+        if logits is not None:
+            logits[:, j] = step
+    return (tokens, logits) if return_logits else tokens
+
+
+def _check(base_logits, anchor, w1, w2) -> None:
+    if base_logits.dim() != 3:
+        raise ValueError(f"base_logits must be [batch, k, vocab], got {tuple(base_logits.shape)}")
+    batch, _, vocab = base_logits.shape
+    if anchor.shape != (batch,):
+        raise ValueError(f"anchor must be [batch={batch}], got {tuple(anchor.shape)}")
+    if w1.dim() != 2 or w2.shape != w1.shape or w1.shape[0] != vocab:
+        raise ValueError(
+            f"markov_w1 and markov_w2 must both be [vocab={vocab}, rank], "
+            f"got {tuple(w1.shape)} and {tuple(w2.shape)}"
+        )
