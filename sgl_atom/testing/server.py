@@ -101,7 +101,7 @@ class Server:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
+    def post(self, path: str, payload: dict, timeout: float = 900) -> dict:
         req = urllib.request.Request(
             self.url + path,
             data=json.dumps(payload).encode(),

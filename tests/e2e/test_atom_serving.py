@@ -145,6 +145,25 @@ def test_fp8_per_token_scales_beat_upstream_per_tensor(runs, report):
     assert m_tok < m_ten
 
 
+def test_prefill_and_decode_backends_can_differ(servers, model, prompt_ids, runs):
+    """--prefill-attention-backend atom with torch_native decode reads the KV atom wrote."""
+    args = [
+        *COMMON,
+        "--prefill-attention-backend",
+        "atom",
+        "--decode-attention-backend",
+        "torch_native",
+    ]
+    srv = servers.start(model, args, name="atom-prefill")
+    try:
+        got = greedy_from_ids(srv, prompt_ids[:4], 8)
+    finally:
+        srv.stop()
+    want = [g[:8] for g in runs["torch_native"]["greedy"][:4]]
+    assert "atom attention:" in srv.log_text()
+    assert _token_agreement(want, got) >= 0.75
+
+
 @pytest.mark.parametrize(
     "kind, args, needle",
     [
