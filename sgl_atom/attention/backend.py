@@ -28,6 +28,7 @@ from ..kernels.paged_attention import (
 )
 from ..log import get_logger
 from .kv_scales import scales_for_pool
+from .sparse import SparseAttention, SparseConfig
 
 logger = get_logger("sgl_atom.attention")
 
@@ -92,6 +93,7 @@ class AtomAttnBackend(AttentionBackend):
         self.per_tensor_fp8 = self.fp8 and envs.SGL_ATOM_FP8_SCALE.get() == "per_tensor"
         self.scales = scales_for_pool(self.token_to_kv_pool) if self.fp8 else None
         self.max_context_len = model_runner.model_config.context_len
+        self.sparse = self._init_sparse(cfg)
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_state: dict[str, torch.Tensor] | None = None
         logger.info(
@@ -109,6 +111,29 @@ class AtomAttnBackend(AttentionBackend):
             if self.fp8
             else "",
         )
+
+    def _init_sparse(self, cfg):
+        """The sparse path when the model carries a sparse_attention_config (else None)."""
+        hf = getattr(cfg, "hf_config", None)
+        total_kv = (
+            cfg.get_total_num_kv_heads()
+            if hasattr(cfg, "get_total_num_kv_heads")
+            else self.kv_heads
+        )
+        sparse_cfg = SparseConfig.from_hf(hf, total_kv, self.head_dim) if hf else None
+        if sparse_cfg is None:
+            return None
+        index_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        return SparseAttention(self, sparse_cfg, index_dtype)
+
+    def forward_sparse(self, q, k, v, index_q, index_k, layer, forward_batch, save_kv_cache=True):
+        """A MiniMax-M3-style sparse layer (see :mod:`sgl_atom.attention.sparse`)."""
+        if self.sparse is None:
+            raise AtomConfigError(
+                "atom backend: forward_sparse on a model without sparse_attention_config"
+            )
+        self._check_layer(layer)
+        return self.sparse.forward(q, k, v, index_q, index_k, layer, forward_batch, save_kv_cache)
 
     @property
     def on_cpu(self) -> bool:
@@ -134,6 +159,8 @@ class AtomAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch) -> None:
         mode = forward_batch.forward_mode
+        if self.sparse is not None:
+            self.sparse.begin_forward()
         if mode.is_idle():
             self.forward_metadata = None
             return

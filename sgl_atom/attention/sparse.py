@@ -1,0 +1,267 @@
+"""MiniMax-M3-style sparse attention on the atom backend: config, index cache, the sparse step.
+
+A sparse layer writes one index key per token (one head, replicated on every TP rank) into its
+own index cache, scores each 128-token block by the max over its causally visible positions of
+``index_q · index_k``, keeps the top ``sparse_topk_blocks`` (init and local blocks forced in),
+and attends over the selected blocks only. With ``use_index_cache``, sparse layers whose ordinal
+does not hit ``index_topk_freq`` reuse the last selection of the same forward and write no
+index key; a reuse with nothing to reuse is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.sparse_attention import (
+    SPARSE_BLOCK,
+    TopkHolder,
+    index_write,
+    select_blocks,
+    should_score,
+    sparse_attention_fwd,
+)
+from ..log import get_logger
+
+logger = get_logger("sgl_atom.attention")
+SUPPORTED_SCORE_TYPES = ("max",)
+SUPPORTED_HEAD_DIMS = (128,)
+_INDEX_ATTR = "_sgl_atom_index_cache"
+
+
+class SparseConfigError(ValueError):
+    """A sparse_attention_config the atom kernels cannot serve; names the field and values."""
+
+
+def _field(cfg, name: str, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    sparse_layer_ids: tuple[int, ...]
+    topk_blocks: int
+    init_blocks: int
+    local_blocks: int
+    index_dim: int
+    num_index_heads: int
+    use_index_cache: bool = False
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 0
+    ordinal_of: dict[int, int] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_hf(cls, hf_config, num_kv_heads: int, head_dim: int) -> SparseConfig | None:
+        """Parse ``sparse_attention_config`` (None when the model has none); raise
+        SparseConfigError naming the field and the supported values."""
+        sc = _field(hf_config, "sparse_attention_config")
+        if sc is None:
+            return None
+
+        def need(name):
+            value = _field(sc, name)
+            if value is None:
+                raise SparseConfigError(f"sparse_attention_config.{name} is missing")
+            return value
+
+        block = int(need("sparse_block_size"))
+        if block != SPARSE_BLOCK:
+            raise SparseConfigError(
+                f"sparse_attention_config.sparse_block_size={block} is not supported by the "
+                f"atom sparse kernels; supported: {SPARSE_BLOCK}"
+            )
+        heads = int(need("sparse_num_index_heads"))
+        if heads != num_kv_heads:
+            raise SparseConfigError(
+                f"sparse_attention_config.sparse_num_index_heads={heads} must equal the KV "
+                f"heads ({num_kv_heads}): the kernels score one index query per KV head"
+            )
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise SparseConfigError(
+                f"head_dim={head_dim} is not supported by the atom sparse kernels; "
+                f"supported: {SUPPORTED_HEAD_DIMS}"
+            )
+        score = _field(sc, "sparse_score_type", "max")
+        if score not in SUPPORTED_SCORE_TYPES:
+            raise SparseConfigError(
+                f"sparse_attention_config.sparse_score_type={score!r} is not supported; "
+                f"supported: {SUPPORTED_SCORE_TYPES}"
+            )
+        init = _field(sc, "sparse_init_block")
+        if init is None:
+            init = -(-int(need("sparse_init_tokens")) // block)
+        local = _field(sc, "sparse_local_block")
+        if local is None:
+            local = -(-int(need("sparse_local_tokens")) // block) + 1
+        topk = int(need("sparse_topk_blocks"))
+        if init + local > topk:
+            raise SparseConfigError(
+                f"sparse_init_block ({init}) + sparse_local_block ({local}) exceed "
+                f"sparse_topk_blocks ({topk})"
+            )
+        freq = list(need("sparse_attention_freq"))
+        layer_ids = tuple(i for i, f in enumerate(freq) if f)
+        freq_k = max(int(_field(hf_config, "index_topk_freq", 1) or 1), 1)
+        return cls(
+            sparse_layer_ids=layer_ids,
+            topk_blocks=topk,
+            init_blocks=int(init),
+            local_blocks=int(local),
+            index_dim=int(need("sparse_index_dim")),
+            num_index_heads=heads,
+            use_index_cache=bool(_field(hf_config, "use_index_cache", False)) and freq_k > 1,
+            index_topk_freq=freq_k,
+            index_skip_topk_offset=int(_field(hf_config, "index_skip_topk_offset", 0) or 0),
+            ordinal_of={lid: o for o, lid in enumerate(layer_ids)},
+        )
+
+    def scores(self, layer_id: int) -> bool:
+        """Whether sparse layer ``layer_id`` scores its own top-k (else it reuses)."""
+        if not self.use_index_cache:
+            return True
+        return should_score(
+            self.ordinal_of[layer_id], self.index_topk_freq, self.index_skip_topk_offset
+        )
+
+
+@dataclass
+class IndexCache:
+    """Per sparse layer: index keys ``[slots, index_dim]`` (bf16 or fp8 + ``[slots]`` scales)."""
+
+    keys: dict[int, torch.Tensor]
+    scales: dict[int, torch.Tensor | None]
+
+    @classmethod
+    def for_pool(cls, pool, cfg: SparseConfig, dtype: torch.dtype) -> IndexCache:
+        cache = getattr(pool, _INDEX_ATTR, None)
+        if cache is not None:
+            return cache
+        start = getattr(pool, "start_layer", 0) or 0
+        slots = pool.get_key_buffer(start).shape[0]
+        device = pool.get_key_buffer(start).device
+        held = [lid for lid in cfg.sparse_layer_ids if start <= lid < start + pool.layer_num]
+        fp8 = dtype == torch.float8_e4m3fn
+        keys = {lid: torch.zeros(slots, cfg.index_dim, dtype=dtype, device=device) for lid in held}
+        scales = {
+            lid: torch.ones(slots, dtype=torch.float32, device=device) if fp8 else None
+            for lid in held
+        }
+        cache = cls(keys, scales)
+        setattr(pool, _INDEX_ATTR, cache)
+        nbytes = sum(t.numel() * t.element_size() for t in keys.values())
+        logger.info(
+            "sparse index cache: %d layers x [%d slots, %d] %s = %.2f MB",
+            len(held),
+            slots,
+            cfg.index_dim,
+            str(dtype).replace("torch.", ""),
+            nbytes / 2**20,
+        )
+        return cache
+
+
+@dataclass
+class SparseStats:
+    steps: int = 0
+    visible_blocks: int = 0
+    attended_blocks: int = 0
+
+    @property
+    def skipped_blocks(self) -> int:
+        return self.visible_blocks - self.attended_blocks
+
+
+class SparseAttention:
+    """The sparse step of one atom backend (its metadata, pool and scales)."""
+
+    def __init__(self, backend, cfg: SparseConfig, index_dtype: torch.dtype):
+        self.backend = backend
+        self.cfg = cfg
+        self.index = IndexCache.for_pool(backend.token_to_kv_pool, cfg, index_dtype)
+        self.holder = TopkHolder()
+        self.stats = SparseStats()
+
+    def begin_forward(self) -> None:
+        self.holder.clear()
+
+    def forward(self, q, k, v, index_q, index_k, layer, forward_batch, save_kv_cache=True):
+        """q [tokens, q_heads*d]; index_q [tokens, kv_heads, index_dim]; index_k [tokens,
+        index_dim] (ignored on layers that reuse the selection)."""
+        be, cfg, lid = self.backend, self.cfg, layer.layer_id
+        meta = be.forward_metadata
+        if save_kv_cache and k is not None:
+            be._store(layer, forward_batch, k, v)
+        decode = forward_batch.forward_mode.is_decode()
+        qo = None if decode else meta.qo_indptr
+        ntok = q.shape[0]
+        ordinal = cfg.ordinal_of[lid]
+
+        def score():
+            if save_kv_cache:
+                index_write(
+                    index_k,
+                    self.index.keys[lid],
+                    forward_batch.out_cache_loc,
+                    self.index.scales[lid],
+                )
+            return select_blocks(
+                index_q,
+                self.index.keys[lid],
+                meta.page_table,
+                meta.kv_lens,
+                be.page_size,
+                index_q.shape[-1] ** -0.5,
+                cfg.topk_blocks,
+                cfg.init_blocks,
+                cfg.local_blocks,
+                qo_indptr=qo,
+                max_qo_len=meta.max_qo_len,
+                max_seq_len=meta.max_kv_len,
+                index_scale=self.index.scales[lid],
+            )
+
+        if cfg.scores(lid):
+            selected, count = score()
+            self.holder.store(ordinal, selected, count)
+        else:
+            selected, count = self.holder.reuse(ordinal, ntok)
+        self._count(meta, count, decode)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        kc, vc, ks, vs = be._cache(layer)
+        o = sparse_attention_fwd(
+            q3,
+            kc,
+            vc,
+            meta.page_table,
+            meta.kv_lens,
+            selected,
+            count,
+            be.page_size,
+            layer.scaling,
+            qo_indptr=qo,
+            max_qo_len=meta.max_qo_len,
+            k_scale=ks,
+            v_scale=vs,
+        )
+        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _count(self, meta, count: torch.Tensor, decode: bool) -> None:
+        """Blocks visible vs attended, per (token, KV head), for the log and the tests."""
+        lens = meta.kv_lens.to(torch.int64)
+        if decode:
+            pos = lens - 1
+        else:
+            qo = meta.qo_indptr.to(torch.int64)
+            per_seq = qo[1:] - qo[:-1]
+            starts = torch.repeat_interleave(lens - per_seq, per_seq)
+            offs = torch.arange(int(qo[-1]), device=lens.device) - torch.repeat_interleave(
+                qo[:-1], per_seq
+            )
+            pos = starts + offs
+        visible = (pos // SPARSE_BLOCK + 1) * count.shape[1]
+        self.stats.steps += 1
+        self.stats.visible_blocks += int(visible.sum())
+        self.stats.attended_blocks += int(count.sum())
