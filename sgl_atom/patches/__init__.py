@@ -65,9 +65,12 @@ LEDGER: tuple[LedgerEntry, ...] = (
         remove_when="SGLang carries plugin flags on ServerArgs",
     ),
     LedgerEntry(
-        module="sgl_atom.patches.draft_kv_budget",
+        module="sgl_atom.patches.pool_budget",
         target="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
         why=(
+            "The atom backend's fp8 KV keeps fp32 scales per token and KV head that SGLang's "
+            "cell size does not count: the first AFTER hook adds them, so the pool fits the "
+            "memory budget. "
             "DefaultPoolConfigurator reserves an EAGLE/STANDALONE draft's layers at the "
             "target's bytes per token whatever the draft's KV dtype, so an fp8 draft under a "
             "bf16 target gets fewer KV tokens than fit. The AFTER hook re-prices the draft term "

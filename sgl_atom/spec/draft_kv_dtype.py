@@ -201,7 +201,7 @@ def draft_key_suffix(cfg: DraftKVConfig | None) -> str:
 
 def register() -> list[str]:
     """Install the option's SGLang glue: CLI alias, resolution hook, draft pool budget."""
-    from ..patches import cli_args, draft_kv_budget, prepare_server_args
+    from ..patches import cli_args, pool_budget, prepare_server_args
     from . import draft_kv_resolution
 
     cli_args.add_flag(
@@ -216,11 +216,11 @@ def register() -> list[str]:
     cli_args.install()
     prepare_server_args.install()
     draft_kv_resolution.install()
-    draft_kv_budget.install()
+    pool_budget.install()
     return [
         "flag:" + ALIAS_FLAG,
         "resolution:handle_speculative_decoding",
         "patch:cli_args",
         "patch:prepare_server_args",
-        "patch:draft_kv_budget",
+        "patch:pool_budget",
     ]

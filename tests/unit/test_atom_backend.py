@@ -249,3 +249,31 @@ def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
     out = backend.forward_extend(q.view(8, -1), k, v, LAYER, fb).view(8, HEADS, DIM)
     ref = torch.cat([_expected(q[4 * r : 4 * r + 4], *hist[r], [30, 31, 32, 33]) for r in (0, 1)])
     assert _rel(out, ref) < (2e-2 if kv_dtype == torch.bfloat16 else 8e-2)
+
+
+@pytest.mark.parametrize(
+    "backends, kv_dtype, grows",
+    [
+        (["atom"], torch.float8_e4m3fn, True),
+        (["atom", "torch_native"], torch.float8_e4m3fn, False),
+        (["atom"], torch.bfloat16, False),
+    ],
+    ids=["atom-fp8", "mixed-backends", "atom-bf16"],
+)
+def test_fp8_scales_are_priced_into_the_pool_budget(monkeypatch, backends, kv_dtype, grows):
+    import sglang.srt.runtime_context as rc
+
+    from sgl_atom.patches import pool_budget
+
+    monkeypatch.setattr(rc, "attention_backends", lambda: backends)
+    kvc = SimpleNamespace(
+        kv_cache_dtype=kv_dtype,
+        use_mla_backend=False,
+        mambaish_config=None,
+        layer_info=SimpleNamespace(num_effective_layers=3),
+        model_config=SimpleNamespace(get_num_kv_heads=lambda tp: KV_HEADS),
+    )
+    conf = SimpleNamespace(_cell_size=1000)
+    pool_budget.add_atom_fp8_scales(conf, kvc)
+    # K and V, 4 bytes each, per KV head and layer
+    assert conf._cell_size == (1000 + 2 * 4 * KV_HEADS * 3 if grows else 1000)

@@ -434,7 +434,7 @@ def test_budget_hook_reprices_an_eagle_draft(monkeypatch, caplog):
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sgl_atom.patches import draft_kv_budget as hook
+    from sgl_atom.patches import pool_budget as hook
 
     monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(enable_hisparse=False))
     layer = budget.kv_bytes_per_token("bf16", kv_heads=8, head_dim=128)

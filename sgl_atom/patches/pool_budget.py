@@ -1,4 +1,11 @@
-"""Price an EAGLE/STANDALONE draft's KV pool at the draft's own dtype.
+"""KV pool budgets SGLang gets wrong for sgl_atom's features (AFTER hooks on
+``create_memory_pool_configurator``):
+
+1. the atom backend's fp8 KV scales (one fp32 per token, KV head and layer, for K and V) are
+   priced into the target's bytes per token, so the pool still fits the memory budget;
+2. an EAGLE/STANDALONE draft's KV pool is priced at the draft's own dtype (below).
+
+Price an EAGLE/STANDALONE draft's KV pool at the draft's own dtype.
 
 SGLang 0.5.23's ``DefaultPoolConfigurator`` reserves an EAGLE/STANDALONE draft's layers at the
 TARGET's bytes per token, whatever ``speculative_draft_kv_cache_dtype`` says, so an fp8 draft
@@ -103,9 +110,42 @@ def _log_when_sized(configurator, target_cell, draft_cell, upstream_draft, dk) -
     configurator.calculate_pool_sizes = calculate_pool_sizes
 
 
+def atom_fp8_scale_bytes(kvc, num_layers: int) -> int:
+    """Bytes per token of the atom backend's fp8 scales: K and V, fp32, per KV head and layer."""
+    from sglang.srt.runtime_context import get_parallel
+
+    kv_heads = kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
+    return 2 * 4 * kv_heads * num_layers
+
+
+def add_atom_fp8_scales(configurator, kvc, *args, **kwargs):
+    """AFTER hook: with fp8 KV and the atom backend serving every mode, add the scales' bytes
+    to the target's per-token cell size (the pool then holds as many tokens as fit)."""
+    import torch
+    from sglang.srt.runtime_context import attention_backends
+
+    backends = {b for b in attention_backends() if b is not None}
+    if kvc.kv_cache_dtype != torch.float8_e4m3fn or not backends or backends - {"atom"}:
+        return None
+    if kvc.use_mla_backend or not getattr(configurator, "_cell_size", 0):
+        return None
+    extra = atom_fp8_scale_bytes(kvc, _target_layers(kvc))
+    before = configurator._cell_size
+    configurator._cell_size = before + extra
+    logger.info(
+        "atom fp8 KV: per-token budget %d -> %d bytes (+%d for per-token, per-head scales)",
+        before,
+        before + extra,
+        extra,
+    )
+    return configurator
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if any(h is reprice_draft for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, reprice_draft, HookType.AFTER)
+    hooks = [h for _, h, _ in HookRegistry._hooks.get(TARGET, [])]
+    if add_atom_fp8_scales not in hooks:
+        HookRegistry.register(TARGET, add_atom_fp8_scales, HookType.AFTER)
+    if reprice_draft not in hooks:
+        HookRegistry.register(TARGET, reprice_draft, HookType.AFTER)
