@@ -28,6 +28,7 @@ logger = get_logger("sgl_atom.attention")
 SUPPORTED_SCORE_TYPES = ("max",)
 SUPPORTED_HEAD_DIMS = (128,)
 _INDEX_ATTR = "_sgl_atom_index_cache"
+LOG_EVERY = 256  # sparse layer steps between two log lines of the skipped-block counts
 
 
 class SparseConfigError(ValueError):
@@ -262,6 +263,16 @@ class SparseAttention:
             )
             pos = starts + offs
         visible = (pos // SPARSE_BLOCK + 1) * count.shape[1]
-        self.stats.steps += 1
-        self.stats.visible_blocks += int(visible.sum())
-        self.stats.attended_blocks += int(count.sum())
+        st = self.stats
+        st.steps += 1
+        st.visible_blocks += int(visible.sum())
+        st.attended_blocks += int(count.sum())
+        if st.steps % LOG_EVERY == 0:
+            logger.info(
+                "sparse attention: %d layer steps, %d of %d visible (token, head) blocks "
+                "attended, %d skipped",
+                st.steps,
+                st.attended_blocks,
+                st.visible_blocks,
+                st.skipped_blocks,
+            )
