@@ -1,0 +1,266 @@
+"""Move planned byte spans between two processes through NIXL (UCX backend), CPU buffers.
+
+A :class:`NixlEngine` is one NIXL agent. Each side registers its region buffers
+(:meth:`NixlEngine.register`) and sends :meth:`NixlEngine.metadata` to the peer out of band (the
+handshake's `agent_metadata`); the producer loads it with :meth:`NixlEngine.add_peer`, then
+:meth:`NixlEngine.write` turns the `(src_off, dst_off, len)` spans of
+:meth:`sgl_atom.disagg.plan.PairPlan.spans` into two NIXL descriptor lists and posts one WRITE,
+and :meth:`NixlEngine.wait` polls it. The consumer learns a write landed from its notification
+(:meth:`NixlEngine.notified`).
+
+Addresses come only from registrations: a source span is checked against the local region it
+names, a destination span against the peer's region base and length (the peer's handshake
+`region_addrs` and sizes); NIXL checks the destination again against the peer's registered
+memory in its metadata. UCX's transports are picked by UCX's own environment
+(`UCX_TLS`, `UCX_NET_DEVICES`); on one host `UCX_NET_DEVICES=lo` keeps traffic on loopback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MEM = "DRAM"
+
+
+class TransferError(RuntimeError):
+    """A NIXL transfer could not be set up, failed, or did not finish in time."""
+
+
+@dataclass
+class WriteHandle:
+    """One posted WRITE: the NIXL request, its peer, and its size for error messages."""
+
+    xfer: object
+    peer: str
+    spans: int
+    nbytes: int
+    state: str
+
+
+def _nixl():
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise TransferError(
+            f"NIXL is not importable ({e}); install it with `pip install nixl==1.5.1`"
+        ) from e
+    return nixl_agent, nixl_agent_config
+
+
+def coalesce(spans: np.ndarray) -> np.ndarray:
+    """Merge spans that continue the previous one on both sides: [N, 3] (src, dst, len) rows."""
+    if len(spans) < 2:
+        return spans
+    src, dst, ln = spans[:, 0], spans[:, 1], spans[:, 2]
+    starts = np.ones(len(spans), dtype=bool)
+    starts[1:] = (src[1:] != src[:-1] + ln[:-1]) | (dst[1:] != dst[:-1] + ln[:-1])
+    idx = np.flatnonzero(starts)
+    lens = np.add.reduceat(ln, idx)
+    return np.stack([src[idx], dst[idx], lens], axis=1)
+
+
+class NixlEngine:
+    """One NIXL agent over UCX moving bytes between registered CPU buffers."""
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+        nixl_agent, nixl_agent_config = _nixl()
+        config = nixl_agent_config(
+            enable_prog_thread=True, enable_listen_thread=False, backends=list(backends)
+        )
+        try:
+            self._agent = nixl_agent(name, config)
+        except Exception as e:
+            raise TransferError(f"NIXL agent {name!r} could not start: {e}") from e
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise TransferError(
+                f"NIXL agent {name!r}: backend(s) {missing} did not start; available plugins: "
+                f"{self._agent.plugin_list}"
+            )
+        self.name = name
+        self._regions: dict[str, tuple[int, int]] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._reg_descs: list[object] = []
+        self._peers: dict[str, dict[int, int]] = {}
+
+    # Registration and metadata -----------------------------------------------------------
+
+    def register(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """Register contiguous CPU tensors; returns {name: (base address, bytes)} of each."""
+        new = {}
+        for name, t in buffers.items():
+            if name in self._regions:
+                raise TransferError(f"region {name!r} is already registered on {self.name}")
+            if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+                raise TransferError(
+                    f"region {name!r}: NixlEngine registers non-empty contiguous CPU tensors, "
+                    f"got device {t.device}, contiguous={t.is_contiguous()}, numel={t.numel()}"
+                )
+            new[name] = (t.data_ptr(), t.numel() * t.element_size())
+        if not new:
+            return {}
+        rows = [(addr, n, 0, name) for name, (addr, n) in new.items()]
+        try:
+            self._reg_descs.append(self._agent.register_memory(rows, _MEM))
+        except Exception as e:
+            raise TransferError(f"{self.name}: registering {list(new)} failed: {e}") from e
+        self._regions.update(new)
+        self._tensors.update(buffers)
+        return dict(new)
+
+    @property
+    def regions(self) -> dict[str, tuple[int, int]]:
+        return dict(self._regions)
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info and registered memory) for the peer."""
+        return self._agent.get_agent_metadata()
+
+    def add_peer(
+        self, name: str, metadata: bytes, regions: Mapping[int, int] | None = None
+    ) -> None:
+        """Load a peer's metadata. regions: {base address: bytes} of the peer's region buffers,
+        from its handshake; writes are bounds-checked against them when given."""
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise TransferError(
+                f"{self.name}: loading metadata of peer {name!r} failed: {e}"
+            ) from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != name:
+            self._agent.remove_remote_agent(loaded)
+            raise TransferError(
+                f"{self.name}: metadata handed in for peer {name!r} belongs to agent {loaded!r}"
+            )
+        self._peers[name] = dict(regions or {})
+
+    def remove_peer(self, name: str) -> None:
+        if self._peers.pop(name, None) is not None:
+            self._agent.remove_remote_agent(name)
+
+    # Transfers ---------------------------------------------------------------------------
+
+    def write(
+        self,
+        peer: str,
+        spans: Sequence[tuple[int, int, int]] | np.ndarray,
+        src_region: str,
+        dst_region_addr: int,
+        notif: bytes = b"",
+    ) -> WriteHandle:
+        """Post one WRITE of `spans` (src offset in `src_region`, dst offset from the peer's
+        region at `dst_region_addr`, length) to `peer`; `notif` reaches the peer when it lands."""
+        if peer not in self._peers:
+            raise TransferError(f"{self.name}: unknown peer {peer!r}; call add_peer first")
+        if src_region not in self._regions:
+            raise TransferError(
+                f"{self.name}: no local region {src_region!r}; registered: {list(self._regions)}"
+            )
+        rows = coalesce(self._check_spans(peer, spans, src_region, dst_region_addr))
+        src_base, _ = self._regions[src_region]
+        zeros = np.zeros(len(rows), dtype=np.uint64)
+        local = np.stack([rows[:, 0] + np.uint64(src_base), rows[:, 2], zeros], axis=1)
+        remote = np.stack([rows[:, 1] + np.uint64(dst_region_addr), rows[:, 2], zeros], axis=1)
+        nbytes = int(rows[:, 2].sum())
+        try:
+            xfer = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local, _MEM),
+                self._agent.get_xfer_descs(remote, _MEM),
+                peer,
+                notif,
+            )
+            state = self._agent.transfer(xfer)
+        except Exception as e:
+            raise TransferError(
+                f"{self.name} -> {peer}: posting a WRITE of {len(rows)} spans ({nbytes} B) "
+                f"from {src_region!r} failed: {e}"
+            ) from e
+        handle = WriteHandle(xfer, peer, len(rows), nbytes, state)
+        if state == "ERR":
+            self._release(handle)
+            raise TransferError(self._describe(handle, "was refused at post (state ERR)"))
+        return handle
+
+    def wait(self, handle: WriteHandle, timeout_s: float = 30.0) -> None:
+        """Poll `handle` until DONE; raise TransferError on ERR or after timeout_s seconds."""
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-5
+        while handle.state == "PROC":
+            if time.monotonic() > deadline:
+                self._release(handle)
+                raise TransferError(self._describe(handle, f"still PROC after {timeout_s} s"))
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+            handle.state = self._agent.check_xfer_state(handle.xfer)
+        self._release(handle)
+        if handle.state != "DONE":
+            raise TransferError(self._describe(handle, f"ended in state {handle.state}"))
+
+    def notified(self, peer: str, tag: bytes) -> bool:
+        """Whether a notification starting with `tag` came from `peer` (consumes it)."""
+        return self._agent.check_remote_xfer_done(peer, tag)
+
+    def close(self) -> None:
+        """Forget peers, deregister memory, drop the agent. Safe to call twice."""
+        agent = getattr(self, "_agent", None)
+        if agent is None:
+            return
+        for peer in list(self._peers):
+            try:
+                self.remove_peer(peer)
+            except Exception:
+                pass  # a dead peer may refuse a clean disconnect
+        for descs in self._reg_descs:
+            agent.deregister_memory(descs)
+        self._reg_descs.clear()
+        self._regions.clear()
+        self._tensors.clear()
+        self._agent = None
+
+    # Helpers -----------------------------------------------------------------------------
+
+    def _check_spans(self, peer, spans, src_region, dst_addr) -> np.ndarray:
+        rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        if len(rows) == 0:
+            raise TransferError(f"{self.name} -> {peer}: a WRITE needs at least one span")
+        if (rows[:, :2] < 0).any() or (rows[:, 2] <= 0).any():
+            raise TransferError(f"{self.name} -> {peer}: spans need offsets >= 0 and lengths > 0")
+        _, src_len = self._regions[src_region]
+        end = int((rows[:, 0] + rows[:, 2]).max())
+        if end > src_len:
+            raise TransferError(
+                f"{self.name}: spans read up to byte {end} of region {src_region!r} ({src_len} B)"
+            )
+        peer_regions = self._peers[peer]
+        if peer_regions:
+            if dst_addr not in peer_regions:
+                raise TransferError(
+                    f"{self.name} -> {peer}: 0x{dst_addr:x} is not the base of a region the "
+                    "peer declared"
+                )
+            end = int((rows[:, 1] + rows[:, 2]).max())
+            if end > peer_regions[dst_addr]:
+                raise TransferError(
+                    f"{self.name} -> {peer}: spans write up to byte {end} of the peer's region "
+                    f"at 0x{dst_addr:x} ({peer_regions[dst_addr]} B)"
+                )
+        return rows.astype(np.uint64)
+
+    def _release(self, handle: WriteHandle) -> None:
+        try:
+            handle.xfer.release()
+        except Exception:
+            pass  # NIXL keeps a handle it cannot cancel and frees it with the agent
+
+    def _describe(self, handle: WriteHandle, what: str) -> str:
+        return (
+            f"{self.name} -> {handle.peer}: WRITE of {handle.spans} spans "
+            f"({handle.nbytes} B) {what}; is the peer alive and reachable?"
+        )

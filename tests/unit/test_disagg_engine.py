@@ -1,0 +1,162 @@
+"""NixlEngine moves a planned head cut between two processes over UCX on loopback.
+
+The consumer runs in a spawned process: it registers zeroed K/V buffers, sends its NIXL
+metadata and buffer addresses over a pipe, waits for the producer's notification and sends its
+buffers back for checking.
+"""
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from sgl_atom.disagg import build_rank_regions, plan_transfer
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl==1.5.1)")
+
+from sgl_atom.disagg.engine import NixlEngine, TransferError, coalesce  # noqa: E402
+
+HEADS, DIM, PAGE, PAGES = 4, 8, 16, 5
+SRC_PAGES, DST_PAGES = [3, 0, 4], [1, 4, 2]
+LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    for key, value in LOOPBACK.items():
+        monkeypatch.setenv(key, value)
+
+
+def _regions(rank: int, tp: int):
+    return build_rank_regions(
+        layers=[0], tp_rank=rank, tp_size=tp, kv_heads=HEADS, head_dim=DIM, dtype="bf16",
+        page_size=PAGE,
+    )  # fmt: skip
+
+
+def _consumer(conn, heads: int, wait_tag: bytes | None) -> None:
+    engine = NixlEngine("consumer")
+    try:
+        bufs = {k: torch.zeros(PAGES * PAGE, heads, DIM, dtype=torch.bfloat16) for k in "kv"}
+        addrs = engine.register(bufs)
+        conn.send((engine.metadata(), addrs))  # metadata after registering: it lists the memory
+        if wait_tag is None:
+            conn.recv()  # parked until the parent kills us
+            return
+        deadline = time.monotonic() + 20
+        while not engine.notified("producer", wait_tag):
+            if time.monotonic() > deadline:
+                conn.send(None)
+                return
+            time.sleep(0.001)
+        conn.send({k: b.view(torch.int16).numpy().copy() for k, b in bufs.items()})  # by value
+    finally:
+        engine.close()
+
+
+def _spawn(heads: int, wait_tag: bytes | None):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_consumer, args=(child, heads, wait_tag), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def _recv(conn, timeout_s: float):
+    if not conn.poll(timeout_s):
+        raise AssertionError(f"consumer sent nothing within {timeout_s} s")
+    return conn.recv()
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides():
+    import numpy as np
+
+    rows = np.array([[0, 100, 8], [8, 108, 8], [16, 200, 8], [40, 208, 8]], dtype=np.uint64)
+    assert coalesce(rows).tolist() == [[0, 100, 16], [16, 200, 8], [40, 208, 8]]
+
+
+def test_write_tp1_to_tp2_head_split_lands_exact_bytes():
+    plan = plan_transfer(_regions(0, 1), 0, 1, _regions(1, 2), 1, 2)
+    assert [p.mode for p in plan.pairs] == ["split", "split"]
+    torch.manual_seed(0)
+    src = {k: torch.randn(PAGES * PAGE, HEADS, DIM).to(torch.bfloat16) for k in "kv"}
+    proc, conn = _spawn(HEADS // 2, b"kv-done")
+    producer = NixlEngine("producer")
+    try:
+        meta, dst = _recv(conn, 30)
+        producer.register(src)
+        producer.add_peer("consumer", meta, regions=dict(dst.values()))
+        for name, pair in zip("kv", plan.pairs, strict=True):
+            spans = pair.spans(SRC_PAGES, DST_PAGES)
+            notif = b"kv-done" if name == "v" else b""
+            producer.wait(producer.write("consumer", spans, name, dst[name][0], notif), 10)
+        got = _recv(conn, 20)
+        assert got is not None, "consumer saw no notification"
+    finally:
+        producer.close()
+        _stop(proc)
+    for k in "kv":
+        want = torch.zeros(PAGES * PAGE, HEADS // 2, DIM, dtype=torch.bfloat16)
+        for sp, dp in zip(SRC_PAGES, DST_PAGES, strict=True):
+            want[dp * PAGE : (dp + 1) * PAGE] = src[k][sp * PAGE : (sp + 1) * PAGE, 2:]
+        out = torch.from_numpy(got[k])
+        assert torch.equal(out, want.view(torch.int16)), f"region {k}"
+        untouched = [p for p in range(PAGES) if p not in DST_PAGES]
+        assert not out.view(PAGES, -1)[untouched].any(), f"region {k}: stray bytes"
+
+
+def test_write_refuses_spans_outside_the_regions():
+    proc, conn = _spawn(HEADS, None)
+    producer = NixlEngine("producer")
+    try:
+        meta, dst = _recv(conn, 30)
+        (addr, n), _ = dst.values()
+        producer.register({"k": torch.zeros(n, dtype=torch.uint8)})
+        producer.add_peer("consumer", meta, regions=dict(dst.values()))
+        with pytest.raises(TransferError, match="read up to"):
+            producer.write("consumer", [(n - 4, 0, 8)], "k", addr)
+        with pytest.raises(TransferError, match="write up to"):
+            producer.write("consumer", [(0, n - 4, 8)], "k", addr)
+        with pytest.raises(TransferError, match="not the base"):
+            producer.write("consumer", [(0, 0, 8)], "k", addr + 64)
+    finally:
+        producer.close()
+        _stop(proc)
+
+
+def test_write_to_dead_peer_raises_within_timeout():
+    proc, conn = _spawn(HEADS, None)
+    producer = NixlEngine("producer")
+    try:
+        meta, dst = _recv(conn, 30)
+        (addr, n), _ = dst.values()
+        producer.register({"k": torch.ones(n, dtype=torch.uint8)})
+        producer.add_peer("consumer", meta)
+        _stop(proc)
+        start = time.monotonic()
+        with pytest.raises(TransferError):
+            producer.wait(producer.write("consumer", [(0, 0, n)], "k", addr, b"x"), 5)
+        assert time.monotonic() - start < 10
+    finally:
+        producer.close()
+        _stop(proc)
+
+
+def test_add_peer_refuses_metadata_of_another_agent():
+    other = NixlEngine("someone-else")
+    producer = NixlEngine("producer")
+    try:
+        with pytest.raises(TransferError, match="belongs to agent 'someone-else'"):
+            producer.add_peer("consumer", other.metadata())
+    finally:
+        producer.close()
+        other.close()
