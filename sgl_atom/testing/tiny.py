@@ -152,6 +152,129 @@ def _dspark(out: Path, vocab: int, spec: dict) -> None:
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def m3_config(vocab: int, spec: dict) -> dict:
+    """config.json of the ``m3`` kind: the fields SGLang 0.5.23's MiniMaxM3SparseForCausalLM
+    reads (models/minimax_m3.py), plus ATOM's top-level index-reuse fields."""
+    layers = spec["layers"]
+    sparse = list(spec["sparse_freq"])
+    attn = dict(
+        hidden_size=spec["hidden"],
+        num_hidden_layers=layers,
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["head_dim"],
+        rotary_dim=spec["rotary_dim"],
+        rope_theta=10000.0,
+        max_position_embeddings=spec["max_pos"],
+        rms_norm_eps=1e-6,
+        use_gemma_norm=True,
+        use_qk_norm=True,
+        qk_norm_type="per_head",
+    )
+    moe = dict(
+        hidden_act="silu",
+        swiglu_alpha=None,  # read unconditionally by MiniMaxM3MoE; None: plain SiLU-and-mul
+        swiglu_limit=None,
+        num_local_experts=spec["experts"],
+        num_experts_per_tok=spec["top_k"],
+        intermediate_size=spec["intermediate"],
+        dense_intermediate_size=spec["dense_intermediate"],
+        moe_layer_freq=list(spec["moe_freq"]),
+        n_shared_experts=spec["shared_experts"],
+        scoring_func="sigmoid",
+        use_routing_bias=True,
+        routed_scaling_factor=spec["routed_scaling"],
+    )
+    sparse_cfg = dict(
+        sparse_attention_freq=sparse,
+        sparse_disable_index_value=sparse,  # index value off on every sparse layer
+        sparse_block_size=128,
+        sparse_topk_blocks=spec["topk_blocks"],
+        sparse_init_block=1,
+        sparse_local_block=1,
+        sparse_num_index_heads=spec["kv_heads"],
+        sparse_index_dim=spec["index_dim"],
+        sparse_score_type="max",
+    )
+    return dict(
+        architectures=["MiniMaxM3SparseForCausalLM"],
+        model_type="minimax_m2",
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        torch_dtype="bfloat16",
+        sparse_attention_config=sparse_cfg,
+        use_index_cache=True,
+        index_topk_freq=spec["index_topk_freq"],
+        **attn,
+        **moe,
+    )
+
+
+def m3_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape, under the names MiniMaxM3SparseForCausalLM.load_weights maps."""
+    h, hd, e = cfg["hidden_size"], cfg["head_dim"], cfg["num_local_experts"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    sc = cfg["sparse_attention_config"]
+    idim, inter = sc["sparse_index_dim"], cfg["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        a = p + "self_attn."
+        shapes |= {a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h)}
+        shapes |= {a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q)}
+        shapes |= {a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+        if sc["sparse_attention_freq"][i]:
+            shapes[a + "index_q_proj.weight"] = (sc["sparse_num_index_heads"] * idim, h)
+            shapes[a + "index_k_proj.weight"] = (idim, h)
+            shapes |= {a + "index_q_norm.weight": (idim,), a + "index_k_norm.weight": (idim,)}
+        if not cfg["moe_layer_freq"][i]:
+            shapes |= _mlp_shapes(p + "mlp.", h, cfg["dense_intermediate_size"])
+            continue
+        m = p + "block_sparse_moe."
+        shapes |= {m + "gate.weight": (e, h), m + "e_score_correction_bias": (e,)}
+        for x in range(e):
+            shapes |= {
+                m + f"experts.{x}.w1.weight": (inter, h),
+                m + f"experts.{x}.w3.weight": (inter, h),
+            }
+            shapes[m + f"experts.{x}.w2.weight"] = (h, inter)
+        if cfg["n_shared_experts"]:
+            shapes |= _mlp_shapes(m + "shared_experts.", h, inter * cfg["n_shared_experts"])
+    return shapes
+
+
+def _mlp_shapes(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (inter, h),
+        prefix + "up_proj.weight": (inter, h),
+        prefix + "down_proj.weight": (h, inter),
+    }
+
+
+def _m3(out: Path, vocab: int, spec: dict) -> None:
+    """A random MiniMax-M3-style checkpoint (bf16), written name by name with safetensors.
+
+    Norm weights are Gemma-style (the model scales by ``1 + w``), so they are drawn near 0.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = m3_config(vocab, spec)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = torch.Generator().manual_seed(spec["seed"])
+    weights = {}
+    for name, shape in m3_weight_shapes(cfg).items():
+        std = spec["norm_range"] if len(shape) == 1 else spec["init_range"]
+        w = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+        weights[name] = w.to(torch.bfloat16)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _add_kv_outliers(model, head_dim: int, k_channels: tuple, k_gain: float, v_gain: float):
     """Give K a few large channels per head and V a small range, as trained models have.
 
@@ -233,6 +356,36 @@ KINDS["dspark"] = (
         vocab=512,
     ),
     _dspark,
+)
+
+# A MiniMax-M3-style sparse-attention MoE (issue 5). Layer 0: dense attention, dense MLP;
+# layers 1-3: sparse attention (ordinal 1 reuses ordinal 0's selection) and MoE.
+KINDS["m3"] = (
+    dict(
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        rotary_dim=64,
+        max_pos=4096,
+        experts=4,
+        top_k=2,
+        intermediate=64,
+        dense_intermediate=256,
+        shared_experts=1,
+        routed_scaling=2.0,
+        moe_freq=[0, 1, 1, 1],
+        sparse_freq=[0, 1, 1, 1],
+        topk_blocks=2,
+        index_dim=128,  # real M3 checkpoints (and SGLang's class) use 128
+        index_topk_freq=2,
+        init_range=0.05,
+        norm_range=0.1,
+        seed=2,
+        vocab=512,
+    ),
+    _m3,
 )
 
 
