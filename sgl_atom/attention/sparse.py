@@ -28,7 +28,7 @@ logger = get_logger("sgl_atom.attention")
 SUPPORTED_SCORE_TYPES = ("max",)
 SUPPORTED_HEAD_DIMS = (128,)
 _INDEX_ATTR = "_sgl_atom_index_cache"
-LOG_EVERY = 256  # sparse layer steps between two log lines of the skipped-block counts
+LOG_EVERY = 64  # sparse layer steps between two log lines of the skipped-block counts
 
 
 class SparseConfigError(ValueError):

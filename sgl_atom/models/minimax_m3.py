@@ -1,0 +1,393 @@
+"""MiniMax-M3-style sparse-attention MoE served through the atom attention backend.
+
+Registered under ``MiniMaxM3SparseForCausalLM`` (the checkpoint's ``architectures[0]``), so with
+``SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models`` this class is loaded instead of SGLang's. It
+needs ``--attention-backend atom``: dense layers attend through ``RadixAttention``, sparse layers
+(``sparse_attention_freq[i] != 0``) through the atom backend's ``forward_sparse``. The
+modelling follows :mod:`sgl_atom.models.m3_reference` (its docstring cites the SGLang lines
+mirrored): pre-norm residual stream with Gemma RMSNorms, per-head q/k (and index q/k) norms
+before NeoX RoPE on the first ``rotary_dim`` channels, index value disabled.
+
+MoE: a small torch MoE, not SGLang's ``FusedMoE`` (not established to run on the CPU engine for
+this config; the loop over experts is plain torch and serves any device). Routing is the
+reference's: sigmoid (or softmax) scores in float32, experts chosen by score +
+``e_score_correction_bias``, weighted by the unbiased score renormalised to 1, times
+``routed_scaling_factor``; the shared expert is added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+from sglang.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.forward_context import get_attn_backend
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.utils import add_prefix
+from sglang.srt.utils.hf_transformers_utils import get_rope_config
+from torch import nn
+
+from sgl_atom.attention.sparse import SparseConfig
+
+ATOM_BACKEND = "atom"
+
+
+class M3ServingError(ValueError):
+    """The server arguments cannot serve this model; names the flag and the fix."""
+
+
+def _norm(config, dim: int) -> nn.Module:
+    cls = GemmaRMSNorm if getattr(config, "use_gemma_norm", False) else RMSNorm
+    return cls(dim, eps=config.rms_norm_eps)
+
+
+def _attention_backends() -> list[str | None]:
+    """The attention backends in effect (prefill/decode overrides included)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    args = get_server_args()
+    names = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    main = getattr(args, "attention_backend", None)
+    return [main] + [getattr(args, n, None) or main for n in names[1:]]
+
+
+def check_atom_backend() -> None:
+    """Refuse to build the sparse model unless every attention step runs on the atom backend."""
+    found = _attention_backends()
+    if any(b != ATOM_BACKEND for b in found):
+        raise M3ServingError(
+            f"MiniMaxM3SparseForCausalLM (sgl_atom) runs its sparse layers on the atom backend, "
+            f"got --attention-backend {found[0]!r} (prefill {found[1]!r}, decode {found[2]!r}); "
+            f"launch with --attention-backend {ATOM_BACKEND} (and no other "
+            "--prefill-attention-backend/--decode-attention-backend)"
+        )
+
+
+def _backend(forward_batch):
+    """The step's atom backend. SGLang 0.5.23 keeps the backend in the forward context and, for
+    a config with ``sparse_attention_config``, wraps the chosen backend in its
+    ``MiniMaxHybridAttnBackend`` (layers/attention/attention_registry.py:375), whose ``dense``
+    is ours: dense layers reach it through the wrapper, sparse layers take it from there."""
+    backend = getattr(forward_batch, "attn_backend", None) or get_attn_backend()
+    backend = getattr(backend, "dense", backend)
+    if not hasattr(backend, "forward_sparse"):
+        raise M3ServingError(
+            f"sparse layers need the atom backend, got {type(backend).__name__}; launch with "
+            f"--attention-backend {ATOM_BACKEND}"
+        )
+    return backend
+
+
+class M3MLP(nn.Module):
+    """SiLU-and-mul MLP: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, hidden: int, inter: int, prefix: str = ""):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter] * 2, bias=False, prefix=add_prefix("gate_up_proj", prefix)
+        )
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=False, prefix=add_prefix("down_proj", prefix)
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act_fn(gate_up))
+        return out
+
+
+class M3Expert(nn.Module):
+    """One routed expert under the checkpoint's names: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, hidden: int, inter: int, prefix: str = ""):
+        super().__init__()
+        self.w1 = ReplicatedLinear(hidden, inter, bias=False, prefix=add_prefix("w1", prefix))
+        self.w3 = ReplicatedLinear(hidden, inter, bias=False, prefix=add_prefix("w3", prefix))
+        self.w2 = ReplicatedLinear(inter, hidden, bias=False, prefix=add_prefix("w2", prefix))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)[0]) * self.w3(x)[0])[0]
+
+
+def route(logits: torch.Tensor, bias, top_k: int, scoring: str, scale: float):
+    """(weights [tokens, top_k] float32, ids [tokens, top_k]) from float32 router logits."""
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    choice = scores if bias is None else scores + bias.float()[None]
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(-1, keepdim=True) * scale, ids
+
+
+class M3MoE(nn.Module):
+    def __init__(self, config, prefix: str = ""):
+        super().__init__()
+        if getattr(config, "swiglu_alpha", None) or getattr(config, "swiglu_limit", None):
+            raise M3ServingError(
+                "sgl_atom's MiniMax-M3 MoE runs plain SiLU-and-mul experts; swiglu_alpha / "
+                "swiglu_limit are not supported"
+            )
+        h, e = config.hidden_size, config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.scoring = getattr(config, "scoring_func", "softmax")
+        self.scale = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
+        self.gate = ReplicatedLinear(h, e, bias=False, prefix=add_prefix("gate", prefix))
+        self.e_score_correction_bias = None
+        if getattr(config, "use_routing_bias", False):
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
+        self.experts = nn.ModuleList(
+            M3Expert(h, config.intermediate_size, add_prefix(f"experts.{i}", prefix))
+            for i in range(e)
+        )
+        shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = (
+            M3MLP(h, config.intermediate_size * shared, add_prefix("shared_experts", prefix))
+            if shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, ids = route(
+            logits, self.e_score_correction_bias, self.top_k, self.scoring, self.scale
+        )
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            if rows.numel():
+                y = expert(x[rows]).float() * weights[rows, slot, None]
+                out.index_add_(0, rows, y)
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return out.to(x.dtype)
+
+
+class M3Attention(nn.Module):
+    """GQA attention with per-head norms and partial NeoX RoPE; sparse layers add the index
+    q/k projections and attend through the step's atom backend's ``forward_sparse``."""
+
+    def __init__(self, config, layer_id: int, sparse: SparseConfig | None, prefix: str = ""):
+        super().__init__()
+        if getattr(config, "qk_norm_type", "per_layer") != "per_head":
+            raise M3ServingError(
+                f"qk_norm_type={config.qk_norm_type!r} is not supported by sgl_atom's "
+                "MiniMax-M3 model; supported: 'per_head'"
+            )
+        h, hd = config.hidden_size, config.head_dim
+        theta, scaling = get_rope_config(config)
+        self.layer_id, self.head_dim = layer_id, hd
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.qkv_proj = QKVParallelLinear(
+            h,
+            hd,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=False,
+            prefix=add_prefix("qkv_proj", prefix),
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size, h, bias=False, prefix=add_prefix("o_proj", prefix)
+        )
+        self.rotary_emb = get_rope(
+            hd,
+            rotary_dim=getattr(config, "rotary_dim", hd),
+            max_position=config.max_position_embeddings,
+            base=theta,
+            is_neox_style=True,
+            rope_scaling=scaling,
+        )
+        self.q_norm, self.k_norm = _norm(config, hd), _norm(config, hd)
+        self.attn = RadixAttention(
+            self.num_heads,
+            hd,
+            hd**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            layer_id=layer_id,
+            prefix=add_prefix("attn", prefix),
+        )
+        self.sparse = sparse if sparse is not None and layer_id in sparse.ordinal_of else None
+        if self.sparse is not None:
+            idim, nidx = self.sparse.index_dim, self.sparse.num_index_heads
+            self.index_q_proj = ReplicatedLinear(
+                h, nidx * idim, bias=False, prefix=add_prefix("index_q_proj", prefix)
+            )
+            self.index_k_proj = ReplicatedLinear(
+                h, idim, bias=False, prefix=add_prefix("index_k_proj", prefix)
+            )
+            self.index_q_norm, self.index_k_norm = _norm(config, idim), _norm(config, idim)
+
+    def _heads(self, t: torch.Tensor, norm: nn.Module, dim: int) -> torch.Tensor:
+        """[tokens, heads*dim] -> per-head norm -> [tokens, heads*dim]."""
+        return norm(t.reshape(-1, dim)).reshape(t.shape[0], -1)
+
+    def _index(self, x: torch.Tensor, positions: torch.Tensor):
+        """index_q [tokens, index_heads, index_dim], index_k [tokens, index_dim]."""
+        idim = self.sparse.index_dim
+        iq = self._heads(self.index_q_proj(x)[0], self.index_q_norm, idim)
+        ik = self._heads(self.index_k_proj(x)[0], self.index_k_norm, idim)
+        iq, ik = self.rotary_emb(positions, iq, ik)
+        return iq.reshape(x.shape[0], -1, idim), ik.reshape(x.shape[0], idim)
+
+    def forward(self, positions, x: torch.Tensor, forward_batch) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self._heads(q, self.q_norm, self.head_dim)
+        k = self._heads(k, self.k_norm, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        if self.sparse is None:
+            o = self.attn(q, k, v, forward_batch)
+        else:
+            index_q = index_k = None
+            if self.sparse.scores(self.layer_id):
+                index_q, index_k = self._index(x, positions)
+            o = _backend(forward_batch).forward_sparse(
+                q, k, v, index_q, index_k, self.attn, forward_batch
+            )
+        out, _ = self.o_proj(o)
+        return out
+
+
+class M3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, sparse: SparseConfig | None, prefix: str = ""):
+        super().__init__()
+        h = config.hidden_size
+        self.self_attn = M3Attention(config, layer_id, sparse, add_prefix("self_attn", prefix))
+        if config.moe_layer_freq[layer_id]:
+            self.mlp = M3MoE(config, add_prefix("mlp", prefix))
+        else:
+            self.mlp = M3MLP(h, config.dense_intermediate_size, add_prefix("mlp", prefix))
+        self.input_layernorm = _norm(config, h)
+        self.post_attention_layernorm = _norm(config, h)
+
+    def forward(self, positions, h, residual, forward_batch):
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x = self.self_attn(positions, x, forward_batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class M3Model(nn.Module):
+    def __init__(self, config, sparse: SparseConfig | None, prefix: str = ""):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=add_prefix("embed_tokens", prefix)
+        )
+        self.layers = nn.ModuleList(
+            M3DecoderLayer(config, i, sparse, add_prefix(f"layers.{i}", prefix))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = _norm(config, config.hidden_size)
+        self.start_layer, self.end_layer = 0, config.num_hidden_layers
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, forward_batch)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class MiniMaxM3SparseForCausalLM(nn.Module):
+    stacked_params = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        if quant_config is not None:
+            raise M3ServingError(
+                "sgl_atom's MiniMax-M3 model serves unquantised checkpoints only; drop "
+                "--quantization or use SGLang's class (unset SGLANG_EXTERNAL_MODEL_PACKAGE)"
+            )
+        self.config = config
+        self.sparse = SparseConfig.from_hf(config, config.num_key_value_heads, config.head_dim)
+        if self.sparse is not None:
+            self._check_sparse(config)
+            check_atom_backend()
+        self.model = M3Model(config, self.sparse, add_prefix("model", prefix))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=add_prefix("lm_head", prefix)
+        )
+        self.logits_processor = LogitsProcessor(config)
+
+    @staticmethod
+    def _check_sparse(config) -> None:
+        sc = config.sparse_attention_config
+        disabled = list(sc.get("sparse_disable_index_value") or [])
+        for i, f in enumerate(sc["sparse_attention_freq"]):
+            if f and not (i < len(disabled) and disabled[i]):
+                raise M3ServingError(
+                    f"sparse_attention_config.sparse_disable_index_value[{i}] is off: sgl_atom's "
+                    "sparse layers have no index value/output path; supported: index value "
+                    "disabled on every sparse layer"
+                )
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    @property
+    def start_layer(self) -> int:
+        return self.model.start_layer
+
+    @property
+    def end_layer(self) -> int:
+        return self.model.end_layer
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, **_):
+        h = self.model(input_ids, positions, forward_batch, input_embeds)
+        return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the checkpoint under its own names (``block_sparse_moe`` is ``mlp`` here)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            target, shard = self._stacked(name)
+            if target not in params:
+                raise KeyError(f"checkpoint weight {name!r} has no parameter ({target!r})")
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"parameters not in the checkpoint: {sorted(missing)[:8]}")
+        return loaded
+
+    def _stacked(self, name: str):
+        if ".experts." in name:
+            return name, None
+        for param_name, weight_name, shard in self.stacked_params:
+            if weight_name in name:
+                return name.replace(weight_name, param_name), shard
+        return name, None
+
+
+EntryClass = MiniMaxM3SparseForCausalLM
