@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..common import FP8_MAX, FP8_SCALE_MIN, is_fp8
+from ..paged_attention.reference import reference_extend
 
 SPARSE_BLOCK = 128
 
@@ -143,14 +144,18 @@ def reference_dense_attention(
     v_scale=None,
     dtype=torch.float64,
 ) -> torch.Tensor:
-    """Plain causal attention over all cached positions (sparse equals it when topk covers all)."""
-    out = torch.empty(q.shape, dtype=dtype)
-    for b, lo, hi, n, qpos in _sequences(seq_lens.cpu(), qo_indptr.cpu()):
-        slots = slots_of(page_table[b], n, page_size)
-        k = _rows(k_cache, k_scale, slots, dtype).cpu()
-        v = _rows(v_cache, v_scale, slots, dtype).cpu()
-        causal = torch.arange(n)[None, :] <= qpos[:, None]
-        out[lo:hi] = _attend(
-            q[lo:hi].to(dtype).cpu(), k, v, causal[:, None].expand(-1, k.shape[1], -1), sm_scale
-        )
-    return out
+    """Plain causal attention over all cached positions (sparse equals it when topk covers all):
+    the paged extend reference, on CPU."""
+    return reference_extend(
+        q.cpu(),
+        k_cache.cpu(),
+        v_cache.cpu(),
+        page_table.cpu(),
+        seq_lens.cpu(),
+        qo_indptr.cpu(),
+        page_size,
+        sm_scale,
+        None if k_scale is None else k_scale.cpu(),
+        None if v_scale is None else v_scale.cpu(),
+        dtype=dtype,
+    )
