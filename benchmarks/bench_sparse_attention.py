@@ -50,8 +50,11 @@ def tables(pool: Pool, batch: int, ctx: int, reps: int) -> list[torch.Tensor]:
 
 
 def measure(
-    pool: Pool, batch: int, ctx: int, fp8_index: bool, nb: dict, select_only: bool = False
+    pool: Pool, batch: int, ctx: int, fp8_index: bool, cfg: dict, select_only: bool = False
 ) -> dict:
+    """Timings of one shape; cfg[fp8_index] = (blocks per scoring program or None for the
+    library's choice, scoring config (stages, warps, fp16 dots) or None for its default)."""
+    nb, score_cfg = cfg[fp8_index]
     sparse_bytes = batch * (
         ctx * (DI + 4 * fp8_index) * (1 if fp8_index else 2) + HKV * TOPK * PAGE * D * 4
     )
@@ -93,7 +96,8 @@ def measure(
             index_scale=iks,
             scores=scores,
             out=sel[i],
-            blocks_per_program=nb[fp8_index],
+            blocks_per_program=nb,
+            config=score_cfg,
         )
 
     def score(i):
@@ -107,7 +111,8 @@ def measure(
             max_seq_len=ctx,
             index_scale=iks,
             scores=scores,
-            blocks_per_program=nb[fp8_index],
+            blocks_per_program=nb,
+            config=score_cfg,
         )
 
     def attend(i):
@@ -170,16 +175,37 @@ def check(pool: Pool) -> None:
     assert err < 1e-2, f"sparse attention relative error {err}"
 
 
+# (blocks per program, (stages, warps, fp16 dots)) tried at batch 64 x 128K; None = library choice.
+# The first of each list is the earlier kernel's scheme: one block per program, no pipelining,
+# bf16 dots (fp8 keys converted to bf16).
+TUNE = {
+    False: [
+        (1, (1, 4, False)),
+        (None, (1, 4, False)),
+        (None, (2, 4, False)),
+        (None, (3, 4, False)),
+    ],
+    True: [
+        (1, (1, 4, False)),
+        (None, (2, 4, False)),
+        (1, (1, 4, True)),
+        (None, (1, 4, True)),
+        (None, (2, 4, True)),
+        (None, (3, 4, True)),
+    ],
+}
+
+
 def tune(pool: Pool) -> tuple[dict, list]:
-    """Blocks per scoring program, per index dtype, at batch 64 x 128K."""
+    """Scoring (blocks per program, config) per index dtype, by select time at batch 64 x 128K."""
     log = []
     for fp8 in (False, True):
-        for nb in (1, 2, 4, 8):
-            t = measure(pool, 64, 131072, fp8, {fp8: nb}, select_only=True)["t_select"]
-            log.append((("fp8" if fp8 else "bf16", nb), t))
+        for cand in TUNE[fp8]:
+            t = measure(pool, 64, 131072, fp8, {fp8: cand}, select_only=True)["t_select"]
+            log.append((("fp8" if fp8 else "bf16", *cand), t))
     best = {}
     for fp8 in (False, True):
-        runs = [(nb, t) for (dt, nb), t in log if dt == ("fp8" if fp8 else "bf16")]
+        runs = [(c[1:], t) for c, t in log if c[0] == ("fp8" if fp8 else "bf16")]
         best[fp8] = min(runs, key=lambda x: x[1])[0]
     return best, log
 
@@ -241,7 +267,7 @@ def main() -> None:
     check(pool)
     cfg, log = tune(pool)
     print(
-        "scoring blocks/program tuning (b64 ctx128K, select ms):",
+        "scoring tuning (index, blocks/program, (stages, warps, fp16 dots); b64 128K select ms):",
         [(c, round(t, 4)) for c, t in log],
     )
     rows = [measure(pool, b, c, f, cfg) for c in contexts for b in batches for f in (False, True)]
@@ -281,14 +307,15 @@ def main() -> None:
     text = (
         f"device: {device_name()}; copy ceiling {copy:.0f} GB/s (read+write); "
         f"{HQ} q / {HKV} kv heads, "
-        f"head_dim {D}, index_dim {DI}, page {PAGE}, top-{TOPK} blocks; scoring blocks/program "
-        f"bf16 {cfg[False]}, fp8 {cfg[True]}; attention block_n 64, 4 warps, 2 stages; "
+        f"head_dim {D}, index_dim {DI}, page {PAGE}, top-{TOPK} blocks; scoring (blocks/program, "
+        f"(stages, warps, fp16 dots)) bf16 {cfg[False]}, fp8 {cfg[True]} (None: library "
+        "choice); attention block_n 64, 4 warps, 2 stages; "
         "select = score + top-k; index GB/s = index bytes / score time\n\n"
         + format_table(head, table)
     )
     with open(os.path.join(args.out, "sparse_attention.json"), "w") as f:
         json.dump(
-            dict(copy_gbs=copy, blocks_per_program=[cfg[False], cfg[True]], tuning=log, rows=rows),
+            dict(copy_gbs=copy, scoring=[cfg[False], cfg[True]], tuning=log, rows=rows),
             f,
             indent=1,
         )

@@ -24,6 +24,7 @@ def block_score_kernel(
     QO,
     S,
     scale,
+    nb,
     stride_iqt,
     stride_pt,
     stride_st,
@@ -37,10 +38,17 @@ def block_score_kernel(
     DECODE: tl.constexpr,
     FP8: tl.constexpr,
     F32_DOT: tl.constexpr,
-    NB: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """Program (NB blocks, row tile, sequence): rows are (token, KV head) pairs of one sequence."""
-    blk0 = tl.program_id(0) * NB
+    """Program (run of `nb` blocks, row tile, sequence): rows are (token, KV head) pairs of one
+    sequence; the blocks are a loop pipelined `STAGES` deep.
+
+    F16_DOT (fp8 cache, 16-bit q): e4m3 keys become fp16 (one instruction per pair; bf16 would
+    take several) and q is multiplied by a power of two per row so that its largest element lies
+    in [2^14, 2^15) before rounding to fp16, which is then exact for bf16 q (8-bit significand in
+    fp16's 11) down to 2^-28 of the row's largest element; the dot's fp32 result is scaled back."""
+    blk0 = tl.program_id(0) * nb
     b = tl.program_id(2)
     seq_len = tl.load(SL + b)
     if DECODE:
@@ -65,28 +73,45 @@ def block_score_kernel(
         q = tl.load(
             IQ + iq_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
         )
+        if F16_DOT:
+            q = q.to(tl.float32)
+            ebits = (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            ebits = tl.minimum(tl.maximum(ebits, 15), 254)  # biased exponent of the row max
+            q = (q * ((268 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+            row_scale = ((ebits - 14) << 23).to(tl.float32, bitcast=True) * scale
+        else:
+            row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * scale
         if F32_DOT:
             q = q.to(tl.float32)
         out = S + (q_start + tok).to(tl.int64) * stride_st + (rows % KV_HEADS) * stride_sh
-        for i in tl.static_range(NB):
+        nblk = tl.minimum(nb, max_pos // SBLOCK + 1 - blk0)
+        pt_row = PT + b.to(tl.int64) * stride_pt
+        for i in tl.range(0, nblk, num_stages=STAGES):
             blk = blk0 + i
             p = blk * SBLOCK + tl.arange(0, SBLOCK)
             p_ok = p <= max_pos
-            page = tl.load(PT + b.to(tl.int64) * stride_pt + p // PAGE, mask=p_ok, other=0)
-            slot = page.to(tl.int64) * PAGE + p % PAGE
+            if PAGE % SBLOCK == 0:  # one page holds the whole block: one page-table read
+                page = tl.load(pt_row + (blk * SBLOCK) // PAGE)
+                slot = page.to(tl.int64) * PAGE + (blk * SBLOCK) % PAGE + tl.arange(0, SBLOCK)
+            else:
+                page = tl.load(pt_row + p // PAGE, mask=p_ok, other=0)
+                slot = page.to(tl.int64) * PAGE + p % PAGE
             k = tl.load(
                 IK + slot[:, None] * INDEX_DIM + d[None, :],
                 mask=p_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
+            k = k.to(q.dtype)  # fp32 (F32_DOT), fp16 (F16_DOT) or q's 16-bit type
             if F32_DOT:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+                s = tl.dot(q, tl.trans(k))
+            s = s * row_scale[:, None]
             if FP8:
                 s = s * tl.load(IKS + slot, mask=p_ok, other=0.0)[None, :]
-            s = tl.where(p[None, :] <= pos[:, None], s * scale, float("-inf"))
-            tl.store(out + blk, tl.max(s, axis=1), mask=row_ok & (blk * SBLOCK <= max_pos))
+            s = tl.where(p[None, :] <= pos[:, None], s, float("-inf"))
+            m = tl.max(s, axis=1)
+            tl.store(out + blk, m, mask=row_ok & (blk * SBLOCK <= pos))
 
 
 @triton.jit
@@ -145,6 +170,21 @@ def topk_select_kernel(
         tl.store(CNT + t * KV_HEADS + row % KV_HEADS, cnt)
 
 
+# Scoring kernel (pipeline stages, warps, fp16 dots for an fp8 cache): H200 sweep in
+# benchmarks/results/tune_sparse_scoring.log.
+SCORE_CONFIG = (2, 4, True)
+
+
+def blocks_per_program_for(max_blocks: int, rows: int, device: torch.device) -> int:
+    """128-token blocks per scoring program: 4 (a pipelined run) once there are at least 256
+    (block, row tile) pairs per SM, else 1 (smaller problems need every program they can get).
+    H200, fp8 cache: 4 is 12% faster than 1 at batch 64 x 128K; at batch 16 x 128K and 64 x 32K
+    the choices lie within 3%; 1 is best at batch 1-4 (tune_sparse_scoring.log)."""
+    from .sparse_attn import num_sms
+
+    return 4 if max_blocks * rows >= 256 * num_sms(device) else 1
+
+
 def f32_dot(q: torch.Tensor) -> bool:
     """fp32 dots (ieee) for fp32 inputs, and on CPU: the interpreter's bf16 dot is not exact."""
     return q.dtype == torch.float32 or q.device.type == "cpu"
@@ -199,9 +239,12 @@ def block_scores(
     index_scale: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
     blocks_per_program: int | None = None,
+    config: tuple[int, int, bool] | None = None,
 ) -> torch.Tensor:
     """Scores [total_q, kv_heads, max_blocks] fp32 (max_blocks = cdiv(max_seq_len, 128)); entries
-    of blocks a token cannot see are left unwritten. Arguments as `select_blocks`."""
+    of blocks a token cannot see are left unwritten. Arguments as `select_blocks`; `config`:
+    (pipeline stages, num_warps, fp16 dots for an fp8 cache) of the scoring kernel, default
+    `SCORE_CONFIG`."""
     _check(index_q, index_cache, page_table, seq_lens, qo_indptr, index_scale, 1, 0, 0)
     total_q, kv_heads, index_dim = index_q.shape
     max_seq_len = page_table.shape[1] * page_size if max_seq_len is None else max_seq_len
@@ -217,12 +260,12 @@ def block_scores(
     )
     block_m = max(16, min(64, next_pow2(max_qo_len * kv_heads)))
     fp8 = is_fp8(index_cache.dtype)
-    nb = blocks_per_program or 1  # 1 measured fastest on H200 (bf16 and fp8 index)
-    grid = (
-        triton.cdiv(max_blocks, nb),
-        triton.cdiv(max_qo_len * kv_heads, block_m),
-        seq_lens.shape[0],
+    row_tiles = triton.cdiv(max_qo_len * kv_heads, block_m)
+    nb = blocks_per_program or blocks_per_program_for(
+        max_blocks, row_tiles * seq_lens.shape[0], index_q.device
     )
+    stages, warps, f16 = config or SCORE_CONFIG
+    grid = (triton.cdiv(max_blocks, nb), row_tiles, seq_lens.shape[0])
     block_score_kernel[grid](
         index_q,
         index_cache,
@@ -232,6 +275,7 @@ def block_scores(
         seq_lens if qo_indptr is None else qo_indptr,
         scores,
         scale,
+        nb,
         index_q.stride(0),
         page_table.stride(0),
         scores.stride(0),
@@ -245,8 +289,9 @@ def block_scores(
         DECODE=qo_indptr is None,
         FP8=fp8,
         F32_DOT=f32_dot(index_q),
-        NB=nb,
-        num_warps=4,
+        F16_DOT=f16 and fp8 and index_q.dtype != torch.float32,
+        STAGES=stages,
+        num_warps=warps,
     )
     return scores
 
@@ -268,6 +313,7 @@ def select_blocks(
     scores: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     blocks_per_program: int | None = None,
+    config: tuple[int, int, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every visible 128-token block and keep the top `topk` per (token, KV head).
 
@@ -283,7 +329,8 @@ def select_blocks(
     topk, init_blocks, local_blocks: sparse_topk_blocks, sparse_init_block, sparse_local_block;
       blocks [0, init) and the last `local` visible blocks are always kept (init + local <= topk).
     scores: optional [total_q, kv_heads, >= max_blocks] fp32 workspace; out: optional
-      (selected, count); blocks_per_program: scoring tuning (128-token blocks per program).
+      (selected, count); blocks_per_program, config: scoring tuning (128-token blocks per
+      program; `block_scores`' config).
     Returns selected [total_q, kv_heads, topk] int32 (ascending block ids, then -1 padding) and
     count [total_q, kv_heads] int32 = min(topk, visible blocks).
     """
@@ -311,6 +358,7 @@ def select_blocks(
         index_scale,
         scores,
         blocks_per_program,
+        config,
     )
     total_q, kv_heads = index_q.shape[:2]
     if out is None:

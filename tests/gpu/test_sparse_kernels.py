@@ -79,6 +79,26 @@ def test_gpu_scores(mode, page_size, index):
     assert_close_rel(scores.cpu()[..., : ref.shape[2]][vis], ref[vis], 1e-5, "block scores")
 
 
+@pytest.mark.parametrize("magnitude", [1e-7, 1e7], ids=lambda m: f"q{m:g}")
+@pytest.mark.parametrize("nb", [1, 4])
+def test_gpu_scores_fp8_q_magnitude(nb, magnitude):
+    """fp16 dots for an fp8 cache: q far outside fp16's range still scores exactly."""
+    c = case("decode", 128, dtype=torch.bfloat16, index_fp8=True, seed=5)
+    c.iq.mul_(magnitude)
+    c.iq[-1, -1] = 0.0
+    scores = sa.block_scores(
+        c.iq, c.ik, c.page_table, c.seq_lens, 128, 0.09, index_scale=c.iks, blocks_per_program=nb
+    )
+    ref = sa.reference_block_scores(
+        c.iq, c.ik, c.page_table, c.seq_lens, c.indptr, 128, 0.09, c.iks
+    )
+    vis = (
+        torch.arange(ref.shape[2])[None, None, :] <= ((c.seq_lens.cpu() - 1) // 128)[:, None, None]
+    )
+    vis = vis.expand_as(ref)
+    assert_close_rel(scores.cpu()[..., : ref.shape[2]][vis], ref[vis], 1e-5, "block scores")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_gpu_selection_exact(mode):
     c = case(mode, 16, dtype=torch.float32, seed=3)

@@ -210,6 +210,37 @@ def test_block_scores_match_reference(mode, page_size, index):
     assert_close_rel(scores.cpu()[vis], ref[vis], 1e-5, "block scores")
 
 
+@pytest.mark.parametrize("magnitude", [1e-7, 1.0, 1e7], ids=lambda m: f"q{m:g}")
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_block_scores_fp8_cache_bf16_q_any_magnitude(mode, magnitude):
+    """An fp8 cache with bf16 q scores through fp16 dots, q scaled per row by a power of two:
+    exact also for q far outside fp16's range (1e7 would overflow it, 1e-7 would be subnormal)."""
+    c = mode_case(mode, 64, dtype=torch.bfloat16, index_fp8=True, seed=11)
+    c.iq.mul_(magnitude)
+    c.iq[0, 0, :4] = 0.0  # zeros inside a row, and one all-zero row below
+    c.iq[-1, -1] = 0.0
+    max_blocks = -(-int(c.seq_lens.max()) // 128)
+    scores = poisoned((c.iq.shape[0], c.iq.shape[1], max_blocks), torch.float32, c.iq.device)
+    sa.block_scores(
+        c.iq,
+        c.ik,
+        c.page_table,
+        c.seq_lens,
+        c.page_size,
+        0.3,
+        c.qo_indptr,
+        c.max_qo_len,
+        index_scale=c.iks,
+        scores=scores,
+        blocks_per_program=2,
+    )
+    ref = sa.reference_block_scores(
+        c.iq, c.ik, c.page_table, c.seq_lens, c.indptr, c.page_size, 0.3, c.iks
+    )
+    vis = visible_mask(c, max_blocks).expand_as(ref)
+    assert_close_rel(scores.cpu()[vis], ref[vis], 1e-5, "block scores")
+
+
 @pytest.mark.parametrize("nb", [1, 3, 8], ids=lambda n: f"nb{n}")
 def test_block_scores_blocks_per_program(nb):
     c = mode_case("verify", 16, index_fp8=nb == 3, seed=nb)
