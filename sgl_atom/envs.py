@@ -74,6 +74,19 @@ SGL_ATOM_LOG_LEVEL = EnvVar(
     "INFO",
     "Log level of the sgl_atom logger.",
 )
+SGL_ATOM_CPU_KERNELS = EnvVar(
+    "SGL_ATOM_CPU_KERNELS",
+    "triton",
+    "atom backend on CPU: 'triton' runs the Triton kernels under Triton's interpreter; "
+    "'reference' runs their torch references (same contracts, float64; much faster), for "
+    "servers whose kernels are not what is under test.",
+)
+SGL_ATOM_DSPARK_TAP_SHIFT = EnvVar(
+    "SGL_ATOM_DSPARK_TAP_SHIFT",
+    0,
+    "ATOM_DSPARK, fault-injection tests only: tap target layers shifted by this many layers "
+    "(a corrupted context K/V path; 0: off).",
+)
 
 ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CPU_MODE,
@@ -83,4 +96,6 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_VENV,
     SGL_ATOM_FP8_SCALE,
     SGL_ATOM_LOG_LEVEL,
+    SGL_ATOM_CPU_KERNELS,
+    SGL_ATOM_DSPARK_TAP_SHIFT,
 )

@@ -41,13 +41,23 @@ def register() -> list[str]:
 def _register_all() -> list[str]:
     from . import attention
     from .spec import draft_kv_dtype
+    from .spec.dspark import algorithm as dspark_algorithm
 
     names = attention.register()
     names += draft_kv_dtype.register()
+    names.append(dspark_algorithm.register())
     if cpu_mode.cpu_mode_enabled():
-        from .patches import cpu_fp8_kv, cpu_gloo_groups
+        from . import cpu_spec_ops
+        from .patches import cpu_fp8_kv, cpu_gloo_groups, cpu_kv_move
 
         cpu_gloo_groups.install()
         cpu_fp8_kv.install()
-        names += ["patch:cpu_gloo_groups", "patch:cpu_fp8_kv"]
+        cpu_kv_move.install()
+        cpu_spec_ops.install()
+        names += [
+            "patch:cpu_gloo_groups",
+            "patch:cpu_fp8_kv",
+            "patch:cpu_kv_move",
+            "cpu_ops:speculative",
+        ]
     return names

@@ -16,17 +16,14 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
 from .. import envs
-from ..kernels.kv_quant import store_kv
 from ..kernels.paged_attention import (
     MAX_SPLITS,
-    decode_fwd,
     decode_num_splits,
     decode_workspace,
-    extend_fwd,
     unsupported_reason,
-    verify_fwd,
 )
 from ..log import get_logger
+from .kernel_ops import kernel_ops
 from .kv_scales import scales_for_pool
 from .sparse import SparseAttention, SparseConfig
 
@@ -92,6 +89,7 @@ class AtomAttnBackend(AttentionBackend):
         self.fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
         self.per_tensor_fp8 = self.fp8 and envs.SGL_ATOM_FP8_SCALE.get() == "per_tensor"
         self.scales = scales_for_pool(self.token_to_kv_pool) if self.fp8 else None
+        self.ops = kernel_ops(self.device)
         self.max_context_len = model_runner.model_config.context_len
         self.sparse = self._init_sparse(cfg)
         self.forward_metadata: ForwardMetadata | None = None
@@ -259,7 +257,7 @@ class AtomAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
             return
         kc, vc, ks, vs = self._cache(layer)
-        store_kv(k, v, kc, vc, loc.to(torch.int64), ks, vs)
+        self.ops.store(k, v, kc, vc, loc.to(torch.int64), ks, vs)
 
     def _check_layer(self, layer) -> None:
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
@@ -288,11 +286,11 @@ class AtomAttnBackend(AttentionBackend):
             if self.graph_state is not None:
                 kw["workspace"] = self.graph_workspace
         if mode.is_decode():
-            decode_fwd(*args, self.page_size, layer.scaling, **kw)
+            self.ops.decode(*args, self.page_size, layer.scaling, **kw)
         elif mode.is_target_verify():
-            verify_fwd(*args, self.page_size, layer.scaling, meta.num_draft, **kw)
+            self.ops.verify(*args, self.page_size, layer.scaling, meta.num_draft, **kw)
         else:
-            extend_fwd(
+            self.ops.extend(
                 *args,
                 meta.qo_indptr,
                 self.page_size,

@@ -43,6 +43,18 @@ LEDGER: tuple[LedgerEntry, ...] = (
         remove_when="SGLang asks the attention backend whether it reads fp8 KV on CPU",
     ),
     LedgerEntry(
+        module="sgl_atom.patches.cpu_kv_move",
+        target="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
+        why=(
+            "With speculative decoding the MHA pool warms up sgl_kernel's CPU all-layer KV "
+            "copy, an op the CPU sgl_kernel paired with SGLang 0.5.23 lacks, so no speculative "
+            "server starts on CPU. The hook switches a CPU pool to SGLang's native torch move "
+            "(SGLANG_NATIVE_MOVE_KV_CACHE) and skips the warm-up; applied in CPU mode only."
+        ),
+        upstream="sglang 0.5.23 srt/mem_cache/memory_pool.py MHATokenToKVPool.__init__",
+        remove_when="the CPU sgl_kernel ships copy_all_layer_kv_cache_cpu",
+    ),
+    LedgerEntry(
         module="sgl_atom.patches.cli_args",
         target="sglang.srt.server_args.ServerArgs.add_cli_args",
         why=(

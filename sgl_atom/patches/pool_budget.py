@@ -3,7 +3,9 @@
 
 1. the atom backend's fp8 KV scales (one fp32 per token, KV head and layer, for K and V) are
    priced into the target's bytes per token, so the pool still fits the memory budget;
-2. an EAGLE/STANDALONE draft's KV pool is priced at the draft's own dtype (below).
+2. an EAGLE/STANDALONE draft's KV pool is priced at the draft's own dtype (below);
+3. the ATOM_DSPARK draft's own pool (which SGLang does not know about) is priced at the settled
+   draft dtype, so the target pool shrinks by exactly what the draft pool takes.
 
 Price an EAGLE/STANDALONE draft's KV pool at the draft's own dtype.
 
@@ -110,6 +112,42 @@ def _log_when_sized(configurator, target_cell, draft_cell, upstream_draft, dk) -
     configurator.calculate_pool_sizes = calculate_pool_sizes
 
 
+def _atom_dspark_cell(kvc, dtype: str) -> int:
+    import json
+    import os
+
+    from ..spec.dspark.config import DSparkDraftConfig
+
+    with open(os.path.join(kvc.server_args.speculative_draft_model_path, "config.json")) as f:
+        cfg = DSparkDraftConfig.from_hf_dict(json.load(f))
+    return kv_bytes_per_token(
+        "fp8" if dtype == "fp8" else "bf16",
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        layers=cfg.num_hidden_layers,
+    )
+
+
+def price_atom_dspark_draft(configurator, kvc, *args, **kwargs):
+    """AFTER hook: add the ATOM_DSPARK draft pool's bytes per token, at its settled dtype, to
+    the cell size (the draft pool has one row per target slot)."""
+    from ..spec.dspark.algorithm import NAME
+
+    algo = kvc.spec_algorithm
+    if getattr(algo, "name", None) != NAME or kvc.is_draft_worker:
+        return None
+    if not getattr(configurator, "_cell_size", 0):
+        return None
+    dk = getattr(kvc.server_args, "_sgl_atom_draft_kv", None)
+    if dk is None:  # settled by the resolution hook whenever speculation is on
+        return None
+    target_cell = configurator._cell_size
+    draft_cell = _atom_dspark_cell(kvc, dk.settled)
+    configurator._cell_size = target_cell + draft_cell
+    _log_when_sized(configurator, target_cell, draft_cell, _atom_dspark_cell(kvc, dk.target), dk)
+    return configurator
+
+
 def atom_fp8_scale_bytes(kvc, num_layers: int) -> int:
     """Bytes per token of the atom backend's fp8 scales: K and V, fp32, per KV head and layer."""
     from sglang.srt.runtime_context import get_parallel
@@ -149,3 +187,5 @@ def install() -> None:
         HookRegistry.register(TARGET, add_atom_fp8_scales, HookType.AFTER)
     if reprice_draft not in hooks:
         HookRegistry.register(TARGET, reprice_draft, HookType.AFTER)
+    if price_atom_dspark_draft not in hooks:
+        HookRegistry.register(TARGET, price_atom_dspark_draft, HookType.AFTER)

@@ -3,7 +3,9 @@
 Pure torch, no SGLang import: the draft config (:mod:`.config`), the checkpoint layout
 (:mod:`.weights`), the Markov refinement (:mod:`.markov`), greedy acceptance and counters
 (:mod:`.accept`) and the reference draft forward (:mod:`.reference`) the server path is
-tested against.
+tested against. The SGLang side — the ``ATOM_DSPARK`` algorithm (:mod:`.algorithm`), its
+worker (:mod:`.worker`), the draft loader (:mod:`.loader`) and the draft's own KV pool
+(:mod:`.pool`) — is imported only by the plugin and SGLang.
 """
 
 from sgl_atom.spec.dspark.accept import Acceptance, SpecStats, greedy_accept

@@ -102,23 +102,29 @@ def block_input_ids(anchor: torch.Tensor, cfg: DSparkDraftConfig) -> torch.Tenso
     return ids
 
 
-def _attention(q, k, v, cfg: DSparkDraftConfig) -> torch.Tensor:
-    """Every query row sees every key row: q [nq, heads, d], k/v [nk, kv_heads, d]."""
+def masked_attention(q, k, v, cfg: DSparkDraftConfig, mask=None) -> torch.Tensor:
+    """q [nq, heads, d], k/v [nk, kv_heads, d]; ``mask`` [nq, nk] bool: the keys each query
+    sees (None: every query sees every key)."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.head_dim**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out.reshape(q.shape[0], -1)
 
 
-def _layer(w, cfg, i, x, positions, ctx_k, ctx_v) -> torch.Tensor:
+def draft_layer(w, cfg, i, x, positions, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+    """Draft layer ``i`` over block rows x [nq, hidden] at ``positions`` [nq]: queries attend
+    to the context rows ``ctx_k/ctx_v`` and to the block's own K/V (``mask`` [nq, nctx + nq]
+    keeps several blocks apart when they run as one)."""
     p, eps = f"layers.{i}.", cfg.rms_norm_eps
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
     q = _heads(h @ w[p + "self_attn.q_proj.weight"].T, cfg.num_attention_heads, cfg)
     q = rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), positions, cfg.rope_theta)
     k, v = _kv(w, cfg, i, h, positions)
-    attn = _attention(q, torch.cat([ctx_k, k]), torch.cat([ctx_v, v]), cfg)
+    attn = masked_attention(q, torch.cat([ctx_k, k]), torch.cat([ctx_v, v]), cfg, mask)
     x = x + attn @ w[p + "self_attn.o_proj.weight"].T
     h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
@@ -149,7 +155,7 @@ def reference_base_logits(
     positions = torch.arange(context_len, context_len + cfg.query_len, device=block_embeds.device)
     x = block_embeds
     for i, (ck, cv) in enumerate(context_kv):
-        x = _layer(w, cfg, i, x, positions, ck[:context_len], cv[:context_len])
+        x = draft_layer(w, cfg, i, x, positions, ck[:context_len], cv[:context_len])
     logits = rms_norm(x, w["norm.weight"], cfg.rms_norm_eps) @ lm_head.T
     return logits if cfg.sample_from_anchor else logits[1:]
 

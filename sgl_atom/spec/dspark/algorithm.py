@@ -1,0 +1,100 @@
+"""``--speculative-algorithm ATOM_DSPARK``: registration with SGLang and argument handling.
+
+Registered through ``SpeculativeAlgorithm.register`` under a name distinct from SGLang's own
+``DSPARK``. The worker verifies its block as a chain through SGLang's tree-verify path, the one
+the NGRAM worker uses, so the spec class answers ``is_ngram()`` for the scheduler's verify and
+relay branches; it writes no draft tokens into the target's KV (``has_draft_kv`` False).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+NAME = "ATOM_DSPARK"
+
+
+def _draft_block_size(path: str | None) -> int:
+    from .config import DSparkDraftConfig
+
+    if not path:
+        raise ValueError(
+            f"--speculative-algorithm {NAME} needs --speculative-draft-model-path (a DSpark "
+            "draft checkpoint directory)"
+        )
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(
+            f"--speculative-draft-model-path {path}: no config.json there ({NAME} reads the "
+            "draft from a local checkpoint directory)"
+        )
+    with open(config) as f:
+        return DSparkDraftConfig.from_hf_dict(json.load(f)).block_size
+
+
+class AtomDSparkAlgo(CustomSpecAlgo):
+    def is_ngram(self) -> bool:
+        return True
+
+    def has_draft_kv(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def create_future_map(
+        self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
+    ):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(
+            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+        )
+
+    def handle_server_args(self, server_args) -> None:
+        k = _draft_block_size(server_args.speculative_draft_model_path)
+        given = server_args.speculative_num_draft_tokens
+        if given is not None and int(given) != k + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {given} does not match the draft's block size "
+                f"k={k}: {NAME} verifies k + 1 = {k + 1} tokens; drop the flag or set it to "
+                f"{k + 1}"
+            )
+        if server_args.speculative_eagle_topk not in (None, 1):
+            raise ValueError(
+                f"--speculative-eagle-topk {server_args.speculative_eagle_topk}: {NAME} drafts "
+                "one chain; drop the flag or set it to 1"
+            )
+        if getattr(server_args, "enable_dp_attention", False):
+            raise ValueError(f"{NAME} does not support --enable-dp-attention yet")
+        if server_args.pp_size > 1:
+            raise ValueError(
+                f"{NAME} with --pp-size {server_args.pp_size}: the draft lives on the last "
+                "stage; pipeline-parallel serving with a draft is not supported yet"
+            )
+        server_args.speculative_num_draft_tokens = k + 1
+        server_args.speculative_num_steps = k
+        server_args.speculative_eagle_topk = 1
+        server_args.disable_overlap_schedule = True
+        server_args.enable_mixed_chunk = False
+
+
+def _worker_factory(server_args):
+    from .worker import AtomDSparkWorker
+
+    return AtomDSparkWorker
+
+
+def register() -> str:
+    """Register ``ATOM_DSPARK`` once; returns what was registered for the plugin's log line."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(NAME) is None:
+        SpeculativeAlgorithm.register(NAME, spec_class=AtomDSparkAlgo)(_worker_factory)
+    return f"speculative_algorithm:{NAME}"

@@ -1,0 +1,253 @@
+"""The ``ATOM_DSPARK`` speculative worker: DSpark drafting over SGLang's chain verify.
+
+Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
+
+* **extend** (prefill, every chunked-prefill chunk): the target runs with its tap layers
+  captured; the draft writes its context K/V for every token of the chunk into its own pool.
+* **decode**: the draft proposes k tokens per request in one non-causal pass over
+  ``[anchor, MASK x (k-1)]``; the target verifies ``[anchor, d_0 .. d_{k-1}]`` as a chain
+  through SGLang's tree-verify path (the NGRAM worker's, with a lower-triangular mask); the
+  longest matching prefix plus the target's own next token is committed, and the draft writes
+  the context K/V of the committed rows from the verify pass's taps.
+
+Writing context is separate from proposing: a step that never proposes (a P/D producer) still
+keeps the draft's context complete. Acceptance and tokens per forward go to the log every
+``LOG_EVERY`` verify steps and to SGLang's own speculative metrics through ``accept_lens``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.runtime_context import get_device, get_schedule, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.eagle_utils import eagle_sample
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+from sglang.srt.speculative.ngram_worker import NGRAMWorker
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+
+from ...log import get_logger
+from ..draft_kv_resolution import draft_kv_config
+from .accept import SpecStats
+from .loader import load_draft
+from .pool import DraftKVPool
+
+logger = get_logger("sgl_atom.spec")
+LOG_EVERY = 32  # verify steps between two acceptance log lines
+
+
+class AtomDSparkWorker(NGRAMWorker):
+    """Drafts with an ``AtomDSparkDraftModel``; verification, KV moves and the scheduler relay
+    are SGLang's chain/tree verify (inherited from its NGRAM worker, whose n-gram corpus is
+    not used)."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        BaseSpecWorker.__init__(self)
+        self.server_args = server_args
+        self.enable_overlap = False
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.page_size = get_schedule().page_size
+        self.device = get_device().device
+        self.draft_token_num = get_spec().speculative_num_draft_tokens
+        self.speculative_num_draft_tokens = self.draft_token_num
+        self.topk, self.speculative_num_steps = 1, self.draft_token_num - 1
+        self.adaptive_controller = None
+        self.grammar_tree_host = None
+        self.max_trie_depth = 0
+        target = self.model_runner.model
+        self.draft = load_draft(get_spec().speculative_draft_model_path, target, self.device)
+        cfg = self.draft.dspark
+        if self.draft_token_num != cfg.block_size + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {self.draft_token_num} does not match the "
+                f"draft's block size k={cfg.block_size} (verify window k + 1 = "
+                f"{cfg.block_size + 1}): drop the flag or set it to {cfg.block_size + 1}"
+            )
+        self.embed, self.lm_head = target.get_embed_and_head()
+        self.stats = SpecStats(cfg.block_size)
+        self.total = SpecStats(cfg.block_size)
+        self.pool: DraftKVPool | None = None
+        self.propose_enabled = True
+
+    # ------------------------------------------------------------------ pools
+
+    def alloc_memory_pool(self, **kwargs) -> None:
+        super().alloc_memory_pool(**kwargs)
+        cfg = self.draft.dspark
+        dk = draft_kv_config(self.server_args)
+        settled = dk.settled if dk is not None else "auto"
+        kv_pool = self.model_runner.token_to_kv_pool
+        slots = int(kv_pool.size) + self.page_size
+        self.pool = DraftKVPool(
+            slots=slots,
+            layers=cfg.num_hidden_layers,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=settled,
+            device=self.device,
+            compute_dtype=self.draft.w["fc.weight"].dtype,
+        )
+        at_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+        logger.info(
+            "ATOM_DSPARK draft KV pool: %s (%s), %d slots x %d layers, %d B/token (at bf16: %d "
+            "B/token), %.2f MiB",
+            settled,
+            self.pool.k[0].dtype,
+            slots,
+            cfg.num_hidden_layers,
+            self.pool.bytes_per_token,
+            at_bf16,
+            self.pool.nbytes / 2**20,
+        )
+
+    def clear_cache_pool(self) -> None:
+        """Nothing to drop: the draft's rows are rewritten whenever their slot is reused."""
+
+    def _update_ngram_corpus(self, batch: ScheduleBatch) -> None:
+        """No n-gram corpus here."""
+
+    # ---------------------------------------------------------------- context
+
+    def write_context(
+        self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Draft context K/V of tokens at ``positions`` into the draft pool at ``slots``."""
+        if slots.numel() == 0:
+            return
+        for layer, (k, v) in enumerate(self.draft.context_kv(taps, positions)):
+            self.pool.write(layer, slots, k, v)
+
+    def _write_extend_context(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
+        lens = torch.as_tensor(batch.extend_lens, device=self.device)
+        starts = torch.as_tensor(batch.prefix_lens, device=self.device)
+        offsets = torch.arange(int(lens.sum()), device=self.device)
+        first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        positions = torch.repeat_interleave(starts, lens) + offsets - first
+        self.write_context(taps, positions, batch.out_cache_loc)
+
+    def _write_verify_context(
+        self, batch: ScheduleBatch, taps: torch.Tensor, accept_index: torch.Tensor, accept_lens
+    ) -> None:
+        n = self.draft_token_num
+        cols = torch.arange(n, device=self.device)[None, :]
+        keep = cols < accept_lens[:, None]
+        rows = accept_index[keep].long()
+        req = torch.arange(len(batch.reqs), device=self.device)[:, None].expand(-1, n)[keep]
+        positions = batch.seq_lens.long()[req] + cols.expand(len(batch.reqs), -1)[keep]
+        pool_idx = batch.req_pool_indices.long()[req]
+        slots = batch.req_to_token_pool.req_to_token[pool_idx, positions]
+        self.write_context(taps[rows], positions, slots)
+
+    # ---------------------------------------------------------------- propose
+
+    def _prepare_draft_tokens(self, batch: ScheduleBatch) -> tuple[np.ndarray, np.ndarray]:
+        bs, n = len(batch.reqs), self.draft_token_num
+        anchors = torch.tensor(
+            [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        if self.propose_enabled:
+            drafts = self._propose(batch, anchors)
+        else:
+            drafts = anchors[:, None].expand(-1, n - 1)
+        tokens = torch.cat([anchors[:, None], drafts], dim=1)
+        chain = np.tril(np.ones((n, n), dtype=bool))
+        return tokens.reshape(-1).cpu().numpy(), np.tile(chain.reshape(-1), bs)
+
+    def _propose(self, batch: ScheduleBatch, anchors: torch.Tensor) -> torch.Tensor:
+        seq_lens = batch.seq_lens.long()
+        owner = torch.repeat_interleave(torch.arange(len(batch.reqs), device=self.device), seq_lens)
+        first = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
+        pos = torch.arange(int(seq_lens.sum()), device=self.device) - first
+        slots = batch.req_to_token_pool.req_to_token[batch.req_pool_indices.long()[owner], pos]
+        context = [self.pool.read(layer, slots) for layer in range(self.pool.layers)]
+        return self.draft.propose(
+            anchors=anchors,
+            context_lens=seq_lens,
+            context_kv=context,
+            context_owner=owner,
+            embed=self.embed,
+            lm_head=self.lm_head,
+        )
+
+    # ---------------------------------------------------------------- one step
+
+    def forward_batch_generation(
+        self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
+    ) -> GenerationBatchResult:
+        if batch.forward_mode.is_decode():
+            return self._decode_step(batch, on_publish, pp_proxy_tensors)
+        result = self.target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL
+        )
+        if batch.forward_mode.is_extend() and result.logits_output is not None:
+            self._write_extend_context(batch, result.logits_output.hidden_states)
+        bs = len(batch.reqs)
+        accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
+        if bs:
+            accept_tokens[:, 0] = result.next_token_ids
+        new_seq_lens = batch.seq_lens.clone()
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return self._result(result, result.next_token_ids, accept_tokens, None, new_seq_lens)
+
+    def _decode_step(self, batch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+        self._prepare_for_speculative_decoding(batch)
+        verify_input: NgramVerifyInput = batch.spec_info
+        result = self.target_worker.forward_batch_generation(
+            batch,
+            pp_proxy_tensors=pp_proxy_tensors,
+            is_verify=True,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        logits_output = result.logits_output
+        predict, accept_lens, accept_index = eagle_sample(
+            verify_input, batch, logits_output, None, watermark_state=None
+        )
+        move_accept_tokens_to_target_kvcache(
+            batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator
+        )
+        self._write_verify_context(batch, logits_output.hidden_states, accept_index, accept_lens)
+        new_seq_lens = batch.seq_lens + accept_lens
+        accept_tokens = predict[accept_index].flatten()
+        if batch.return_logprob:
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        self._count(accept_lens - 1)
+        batch.forward_mode = ForwardMode.DECODE
+        return self._result(result, accept_tokens, accept_tokens, accept_lens, new_seq_lens)
+
+    def _result(self, result, next_token_ids, accept_tokens, accept_lens, new_seq_lens):
+        bs = new_seq_lens.shape[0]
+        if accept_lens is None:
+            accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        next_draft_input = NgramVerifyInput(
+            draft_token_num=self.draft_token_num,
+            new_seq_lens=new_seq_lens,
+            accept_tokens=accept_tokens.flatten(),
+            accept_lens=accept_lens,
+        )
+        return GenerationBatchResult(
+            logits_output=result.logits_output,
+            next_token_ids=next_token_ids,
+            can_run_cuda_graph=result.can_run_cuda_graph,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+        )
+
+    def _count(self, accepted: torch.Tensor) -> None:
+        self.stats.update(accepted)
+        self.total.update(accepted)
+        if self.stats.steps >= LOG_EVERY:
+            logger.info("%s (total: %s)", self.stats.as_log_line(), self.total.as_log_line())
+            self.stats = SpecStats(self.stats.block_size)

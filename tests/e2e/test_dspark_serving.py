@@ -1,0 +1,90 @@
+"""The ATOM_DSPARK speculative worker in a real server: lossless, drafting that means something,
+and the draft KV pool at bf16 and fp8.
+
+All servers use the atom backend (SGLang's torch_native backend has no target-verify path) with
+its kernels' torch references (``SGL_ATOM_CPU_KERNELS=reference``: the worker is under test
+here; the interpreted kernels are covered in test_atom_serving), and a small chunked-prefill
+size, so long prompts reach the draft in several chunks.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from e2e_utils import word_prompts
+
+from sgl_atom.spec.dspark.algorithm import NAME
+from sgl_atom.testing import DSPARK_DISTILLED
+
+PROMPTS = word_prompts(16, seed=7, min_words=4, max_words=24)
+MAX_NEW = 48
+ATOM = ["--attention-backend", "atom", "--chunked-prefill-size", "32"]
+SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_DISTILLED)]
+FAST = {"SGL_ATOM_CPU_KERNELS": "reference"}
+MODELS_ENV = {**FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
+# bf16 through SGLang's own flag, fp8 through the ATOM spelling
+DTYPE_FLAGS = {
+    "bf16": ["--speculative-draft-kv-cache-dtype", "bf16"],
+    "fp8": ["--spec-decode-kv-cache-dtype", "fp8"],
+}
+POOL_LINE = re.compile(r"ATOM_DSPARK draft KV pool: (\w+) \(\S+\), (\d+) slots .*?, (\d+) B/token")
+
+
+def _run(srv) -> tuple[list[list[int]], list[float]]:
+    outs = srv.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    ids = [o["output_ids"] for o in outs]
+    verify = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
+    tpf = [len(i) / v if v else 0.0 for i, v in zip(ids, verify, strict=True)]
+    return ids, tpf
+
+
+@pytest.fixture(scope="module")
+def baseline(servers, tiny_llama):
+    srv = servers.start(tiny_llama, ATOM, env=FAST, name="atom-plain")
+    ids, _ = _run(srv)
+    srv.stop()
+    return ids
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def spec_run(request, servers, tiny_llama, baseline):
+    dtype = request.param
+    args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype]]
+    srv = servers.start(tiny_llama, args, env=MODELS_ENV, name=f"dspark-{dtype}")
+    ids, tpf = _run(srv)
+    log = srv.log_text()
+    srv.stop()
+    return dtype, ids, tpf, log
+
+
+def _tpf(tpf: list[float]) -> float:
+    return sum(tpf) / len(tpf)
+
+
+def test_lossless(spec_run, baseline, report):
+    dtype, ids, tpf, _ = spec_run
+    same = sum(a == b for a, b in zip(ids, baseline, strict=True))
+    report(f"ATOM_DSPARK draft KV {dtype}: {same}/{len(ids)} greedy outputs identical to no "
+           f"speculation ({MAX_NEW} tokens each); tokens/forward {_tpf(tpf):.2f} "
+           f"(halves {_tpf(tpf[:8]):.2f} / {_tpf(tpf[8:]):.2f})")
+    assert ids == baseline
+
+
+def test_acceptance_logged_and_counted(spec_run):
+    _, ids, tpf, log = spec_run
+    assert all(len(i) == MAX_NEW for i in ids)
+    assert "DSpark k=4: steps" in log, "the worker logs acceptance every 32 verify steps"
+    assert _tpf(tpf) > 1.0, "the distilled draft accepts something"
+
+
+def test_draft_pool_dtype(spec_run, report):
+    dtype, _, _, log = spec_run
+    m = POOL_LINE.search(log)
+    assert m, "the worker logs its draft pool"
+    settled, _slots, per_token = m.group(1), int(m.group(2)), int(m.group(3))
+    assert settled == dtype
+    bf16_bytes = 2 * 2 * 2 * 64 * 2  # K+V, 2 layers, 2 KV heads, head_dim 64, 2 bytes
+    expected = bf16_bytes if dtype == "bf16" else bf16_bytes // 2 + 2 * 2 * 2 * 4
+    report(f"ATOM_DSPARK draft pool {dtype}: {per_token} B/token (bf16: {bf16_bytes})")
+    assert per_token == expected
