@@ -154,4 +154,6 @@ def server_env(num_ranks: int, base: dict[str, str] | None = None) -> dict[str, 
     env["LD_LIBRARY_PATH"] = ":".join([shim_dir, *paths])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["SGLANG_CPU_OMP_THREADS_BIND"] = core_lists(num_ranks)
+    # A P/D prefill's early send of a radix-cached prefix records a CUDA event (overlap schedule)
+    env.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0")
     return env

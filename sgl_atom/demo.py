@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .cpu_mode import cache_dir, cpu_mode_enabled
-from .testing import tiny
+from .testing import DSPARK_DISTILLED, tiny
 from .testing.server import Server
 
 PROMPTS = ["The capital of france is", "One two three four", "Hello world, the"]
@@ -61,34 +61,65 @@ def _frontend_section(srv: Server, max_tokens: int) -> None:
     print(f"  [sgl.function] batch of {len(states)} in {dt:.2f}s")
 
 
-MODES = {
-    "plain": [],
-    "atom-fp8": [
-        "--dtype",
-        "bfloat16",
-        "--attention-backend",
-        "atom",
-        "--kv-cache-dtype",
-        "fp8_e4m3",
-        "--page-size",
-        "16",
-    ],
+def _speculation_section(srv: Server, max_tokens: int) -> None:
+    outs = srv.generate(PROMPTS, max_new_tokens=max_tokens)
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    for p, o in zip(PROMPTS, outs, strict=True):
+        m = o["meta_info"]
+        print(f"  [ATOM_DSPARK] {p!r} -> {o['text']!r} (accept length "
+              f"{m.get('spec_accept_length', 0):.2f})")
+    print(f"  [ATOM_DSPARK] tokens/forward {tokens / max(verifies, 1):.2f} "
+          f"({tokens} tokens from {verifies} target forwards)")
+
+
+DSPARK_ARGS = [
+    "--attention-backend",
+    "atom",
+    "--speculative-algorithm",
+    "ATOM_DSPARK",
+    "--speculative-draft-model-path",
+    str(DSPARK_DISTILLED),
+    "--spec-decode-kv-cache-dtype",
+    "fp8",
+]
+# on CPU the atom backend runs its kernels' torch references here (the interpreter is slow)
+DSPARK_ENV = {
+    "SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models",
+    "SGL_ATOM_CPU_KERNELS": "reference",
 }
+
+MODES: dict[str, tuple[list[str], dict[str, str]]] = {
+    "plain": ([], {}),
+    "atom-fp8": (
+        ["--dtype", "bfloat16", "--attention-backend", "atom", "--kv-cache-dtype", "fp8_e4m3",
+         "--page-size", "16"],
+        {},
+    ),
+    "dspark": (DSPARK_ARGS, DSPARK_ENV),
+}
+LOG_MARKS = ("atom attention:", "fp8 KV scales", "ATOM_DSPARK draft", "DSpark k=")
 
 
 def run_mode(model: Path, mode: str, extra: list[str], max_new: int) -> None:
-    args = ["--max-total-tokens", "4096", *MODES[mode], *extra]
-    print(f"== [{mode}] launch_server {' '.join(MODES[mode]) or '(SGLang defaults)'}")
+    mode_args, env = MODES[mode]
+    args = ["--max-total-tokens", "4096", *mode_args, *extra]
+    print(f"== [{mode}] launch_server {' '.join(mode_args) or '(SGLang defaults)'}")
     t0 = time.time()
-    with Server(model, args, name=f"demo-{mode}") as srv:
+    with Server(model, args, env=env, name=f"demo-{mode}") as srv:
         print(f"== [{mode}] server up at {srv.url} in {time.time() - t0:.1f}s")
         print(f"== [{mode}] OpenAI client (/v1/completions, /v1/chat/completions)")
         _openai_section(srv, max_new)
         print(f"== [{mode}] SGLang frontend language (sgl.function + sgl.gen)")
         _frontend_section(srv, max_new)
-        for line in srv.log_text().splitlines():
-            if "atom attention:" in line or "fp8 KV scales" in line:
-                print(f"   server log: {line.strip()}")
+        if mode == "dspark":
+            print(f"== [{mode}] speculative decoding, greedy /generate")
+            _speculation_section(srv, max(max_new, 32))
+        lines = [ln.strip() for ln in srv.log_text().splitlines()]
+        stats = [ln for ln in lines if "DSpark k=" in ln][-1:]  # the latest acceptance line
+        for line in lines:
+            if any(mark in line for mark in LOG_MARKS[:-1]) or line in stats:
+                print(f"   server log: {line}")
     print(f"== [{mode}] server stopped ({time.time() - t0:.1f}s)")
 
 

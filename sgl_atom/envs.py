@@ -87,6 +87,18 @@ SGL_ATOM_DSPARK_TAP_SHIFT = EnvVar(
     "ATOM_DSPARK, fault-injection tests only: tap target layers shifted by this many layers "
     "(a corrupted context K/V path; 0: off).",
 )
+SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
+    "SGL_ATOM_PD_TRANSFER_TIMEOUT",
+    60,
+    "atom P/D transfer backend: seconds a producer waits for one chunk's writes to land before "
+    "it fails the request.",
+)
+SGL_ATOM_PD_WRITE_DELAY_MS = EnvVar(
+    "SGL_ATOM_PD_WRITE_DELAY_MS",
+    0,
+    "atom P/D transfer backend, fault-injection tests only: the producer sleeps this many ms "
+    "before each chunk's writes (0: off).",
+)
 
 ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CPU_MODE,
@@ -98,4 +110,6 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_LOG_LEVEL,
     SGL_ATOM_CPU_KERNELS,
     SGL_ATOM_DSPARK_TAP_SHIFT,
+    SGL_ATOM_PD_TRANSFER_TIMEOUT,
+    SGL_ATOM_PD_WRITE_DELAY_MS,
 )

@@ -40,11 +40,13 @@ def register() -> list[str]:
 
 def _register_all() -> list[str]:
     from . import attention
+    from .disagg import backend as disagg_backend
     from .spec import draft_kv_dtype
     from .spec.dspark import algorithm as dspark_algorithm
 
     names = attention.register()
     names += draft_kv_dtype.register()
+    names += disagg_backend.register()
     names.append(dspark_algorithm.register())
     if cpu_mode.cpu_mode_enabled():
         from . import cpu_spec_ops

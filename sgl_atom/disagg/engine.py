@@ -102,6 +102,23 @@ class NixlEngine:
                     f"got device {t.device}, contiguous={t.is_contiguous()}, numel={t.numel()}"
                 )
             new[name] = (t.data_ptr(), t.numel() * t.element_size())
+        registered = self._register_rows(new)
+        self._tensors.update(buffers)
+        return registered
+
+    def register_addresses(
+        self, spans: Mapping[str, tuple[int, int]]
+    ) -> dict[str, tuple[int, int]]:
+        """Register CPU memory by {name: (base address, bytes)}; the caller keeps it alive for
+        the agent's lifetime (buffers SGLang owns and hands over as pointers)."""
+        for name, (addr, n) in spans.items():
+            if name in self._regions:
+                raise TransferError(f"region {name!r} is already registered on {self.name}")
+            if addr <= 0 or n <= 0:
+                raise TransferError(f"region {name!r}: address 0x{addr:x} / {n} B is not memory")
+        return self._register_rows(dict(spans))
+
+    def _register_rows(self, new: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
         if not new:
             return {}
         rows = [(addr, n, 0, name) for name, (addr, n) in new.items()]
@@ -110,7 +127,6 @@ class NixlEngine:
         except Exception as e:
             raise TransferError(f"{self.name}: registering {list(new)} failed: {e}") from e
         self._regions.update(new)
-        self._tensors.update(buffers)
         return dict(new)
 
     @property

@@ -36,6 +36,7 @@ MAX_REGIONS = 8192
 MAX_PAGE_IDS = 1 << 20
 MAX_AGENT_METADATA = 1 << 20
 MAX_NAME = 256
+MAX_AUX = 64
 MAX_ERROR = 1024
 U64 = (1 << 64) - 1
 
@@ -49,7 +50,11 @@ class Handshake:
     """A rank's description of itself: its place in TP/PP, its regions, its transfer agent.
 
     stage_layers: [first, end) global layers of this rank's PP stage. region_addrs: base address
-    of each region's buffer (same order as regions), or empty where the peer needs none.
+    of each region's buffer (same order as regions), or empty where the peer needs none;
+    region_bytes: each buffer's length (writes into it are bounds-checked against it), or empty.
+    aux: (base address, bytes, bytes per request) of each per-request metadata buffer (the
+    first output token and its logprobs), copied whole per request. status_host/status_port:
+    where the producer reports a room's outcome (a consumer's control socket).
     """
 
     role: str  # "producer" or "consumer"
@@ -62,17 +67,29 @@ class Handshake:
     region_addrs: tuple[int, ...]
     agent_name: str
     agent_metadata: bytes
+    region_bytes: tuple[int, ...] = ()
+    aux: tuple[tuple[int, int, int], ...] = ()
+    status_host: str = ""
+    status_port: int = 0
 
 
 @dataclass(frozen=True)
 class TransferRequest:
-    """A consumer rank asks for room `room`'s pages; it holds heads [head_start, +head_count)."""
+    """A consumer rank asks for room `room`'s pages; it holds heads [head_start, +head_count).
+
+    aux_index: the consumer's metadata row for the request (-1: none). agent_name: the
+    consumer's transfer agent (its handshake). peers: how many consumer ranks ask this producer
+    rank for the room (the room is ready once all of them asked).
+    """
 
     room: int
     consumer_rank: int
     page_ids: tuple[int, ...]
     head_start: int
     head_count: int
+    aux_index: int = -1
+    agent_name: str = ""
+    peers: int = 1
 
 
 @dataclass(frozen=True)
@@ -269,6 +286,10 @@ _FIELDS: dict[type, dict[str, Check]] = {
         "region_addrs": _list(_int(0, U64), MAX_REGIONS),
         "agent_name": _str(MAX_NAME),
         "agent_metadata": _blob(MAX_AGENT_METADATA),
+        "region_bytes": _list(_int(0, U64), MAX_REGIONS),
+        "aux": _list(_list(_int(0, U64), 3, 3), MAX_AUX),
+        "status_host": _str(MAX_NAME),
+        "status_port": _int(0, 65535),
     },
     TransferRequest: {
         "room": _int(0, U64),
@@ -276,6 +297,9 @@ _FIELDS: dict[type, dict[str, Check]] = {
         "page_ids": _list(_int(0, (1 << 31) - 1), MAX_PAGE_IDS),
         "head_start": _int(0, (1 << 12) - 1),
         "head_count": _int(1, 1 << 12),
+        "aux_index": _int(-1, (1 << 31) - 1),
+        "agent_name": _str(MAX_NAME),
+        "peers": _int(1, 1024),
     },
     TransferStatus: {
         "room": _int(0, U64),
@@ -302,6 +326,8 @@ def _handshake(v: dict[str, Any]) -> Handshake:
         problems.append(f"stage_layers {list(v['stage_layers'])} is not [first, end)")
     if v["region_addrs"] and len(v["region_addrs"]) != len(v["regions"]):
         problems.append(f"{len(v['region_addrs'])} region_addrs for {len(v['regions'])} regions")
+    if v["region_bytes"] and len(v["region_bytes"]) != len(v["regions"]):
+        problems.append(f"{len(v['region_bytes'])} region_bytes for {len(v['regions'])} regions")
     if problems:
         raise WireError("Handshake: " + "; ".join(problems))
     try:
@@ -355,6 +381,10 @@ def _handshake_json(m: Handshake) -> dict[str, Any]:
         "region_addrs": list(m.region_addrs),
         "agent_name": m.agent_name,
         "agent_metadata": base64.b64encode(m.agent_metadata).decode(),
+        "region_bytes": list(m.region_bytes),
+        "aux": [list(a) for a in m.aux],
+        "status_host": m.status_host,
+        "status_port": m.status_port,
     }
 
 
@@ -366,6 +396,9 @@ _TO_JSON: dict[type, Callable[[Any], dict[str, Any]]] = {
         "page_ids": list(m.page_ids),
         "head_start": m.head_start,
         "head_count": m.head_count,
+        "aux_index": m.aux_index,
+        "agent_name": m.agent_name,
+        "peers": m.peers,
     },
     TransferStatus: lambda m: {"room": m.room, "status": m.status, "error": m.error},
 }

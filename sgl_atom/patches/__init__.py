@@ -94,4 +94,41 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         remove_when="SGLang prices EAGLE/STANDALONE drafts with the draft's KV dtype",
     ),
+    LedgerEntry(
+        module="sgl_atom.patches.disagg_backend_enum",
+        target="sglang.srt.disaggregation.utils.TransferBackend._missing_",
+        why=(
+            "--disaggregation-transfer-backend values become TransferBackend(value), a closed "
+            "Enum with no registration API. The AROUND hook on Enum's lookup of last resort "
+            "answers 'atom' with one pseudo-member and leaves every other value to the original."
+        ),
+        upstream="sglang 0.5.23 srt/disaggregation/utils.py TransferBackend",
+        remove_when="SGLang lets a plugin register a transfer backend value",
+    ),
+    LedgerEntry(
+        module="sgl_atom.patches.disagg_kv_class",
+        target="sglang.srt.disaggregation.utils.get_kv_class",
+        why=(
+            "SGLang picks a backend's KV manager/sender/receiver/bootstrap server in an if/elif "
+            "chain. The AROUND hook answers the atom backend's classes and passes every other "
+            "backend (and KVARGS) to the original."
+        ),
+        upstream="sglang 0.5.23 srt/disaggregation/utils.py get_kv_class",
+        remove_when="SGLang offers a transfer-backend class registry",
+    ),
+    LedgerEntry(
+        module="sgl_atom.patches.disagg_pool_registry",
+        target="sglang.srt.disaggregation.utils.get_kv_transfer_buf_infos",
+        why=(
+            "A transfer backend's KV manager gets raw pointers, not the pool; the atom backend "
+            "describes regions from the live pool (dtype, heads, head dim, fp8 scale buffers). "
+            "The AFTER hook records the pool under its first buffer pointer; the result is "
+            "returned unchanged."
+        ),
+        upstream=(
+            "sglang 0.5.23 srt/disaggregation/prefill.py and decode.py _init_kv_manager "
+            "(KVArgs carries pointers only)"
+        ),
+        remove_when="KVArgs (or the manager's constructor) carries the KV pool",
+    ),
 )

@@ -10,12 +10,14 @@ size, so long prompts reach the draft in several chunks.
 from __future__ import annotations
 
 import re
+import urllib.request
 
 import pytest
 from e2e_utils import word_prompts
 
 from sgl_atom.spec.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_DISTILLED
+from sgl_atom.testing.server import Server, ServerStartError
 
 PROMPTS = word_prompts(16, seed=7, min_words=4, max_words=24)
 MAX_NEW = 48
@@ -50,12 +52,14 @@ def baseline(servers, tiny_llama):
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
 def spec_run(request, servers, tiny_llama, baseline):
     dtype = request.param
-    args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype]]
+    args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics"]
     srv = servers.start(tiny_llama, args, env=MODELS_ENV, name=f"dspark-{dtype}")
     ids, tpf = _run(srv)
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
     log = srv.log_text()
     srv.stop()
-    return dtype, ids, tpf, log
+    return dtype, ids, tpf, log + metrics
 
 
 def _tpf(tpf: list[float]) -> float:
@@ -88,3 +92,29 @@ def test_draft_pool_dtype(spec_run, report):
     expected = bf16_bytes if dtype == "bf16" else bf16_bytes // 2 + 2 * 2 * 2 * 4
     report(f"ATOM_DSPARK draft pool {dtype}: {per_token} B/token (bf16: {bf16_bytes})")
     assert per_token == expected
+
+
+def test_metrics_report_acceptance(spec_run):
+    *_, text = spec_run
+    m = re.search(r"^sglang:spec_accept_length\{[^}]*\} ([0-9.]+)", text, re.M)
+    assert m, "SGLang's spec_accept_length metric is exported"
+    assert float(m.group(1)) >= 1.0
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--speculative-algorithm", NAME], MODELS_ENV, "needs --speculative-draft-model-path"),
+        ([*SPEC, "--speculative-num-draft-tokens", "3"], MODELS_ENV,
+         "does not match the draft's block size k=4"),
+        (SPEC, FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"),
+    ],
+    ids=["no-draft", "window-mismatch", "no-model-package"],
+)
+def test_refused_at_startup(tiny_llama, args, env, message):
+    srv = Server(tiny_llama, ["--attention-backend", "atom", *args], env=env, name="refused")
+    try:
+        with pytest.raises(ServerStartError, match=re.escape(message)):
+            srv.start(timeout=240)
+    finally:
+        srv.stop()

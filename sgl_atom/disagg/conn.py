@@ -1,0 +1,505 @@
+"""The ``atom`` P/D transfer backend: SGLang's KV manager, sender, receiver and bootstrap server.
+
+SGLang's common connection layer (``disaggregation/common/conn.py``) already does what every
+backend shares: the HTTP bootstrap registry, the decode side's lookup of prefill ranks and its
+TP/PP rank mapping, room status bookkeeping, heartbeats, aborts. This module adds what is
+atom's own:
+
+- Each rank describes its live KV pool as regions (:mod:`sgl_atom.disagg.pool_regions`) and
+  registers their buffers, plus the per-request metadata buffers, with a NIXL agent.
+- A decode rank's first contact with a prefill rank is a :class:`~sgl_atom.disagg.wire.Handshake`
+  carrying its regions, buffer addresses and sizes, NIXL metadata and status endpoint. The
+  prefill rank pairs every region with :func:`~sgl_atom.disagg.plan.plan_transfer`; a mismatch
+  is refused there, with an error naming the region and both values, and every room that decode
+  rank asks for fails with that error: nothing is ever written to it.
+- Per room the decode rank sends a :class:`~sgl_atom.disagg.wire.TransferRequest` (its page ids
+  and metadata row). Once all decode ranks the room needs have asked, each KV chunk the prefill
+  computes is written through NIXL span by span (head cuts included), bounds-checked against the
+  peer's declared buffers, then the room's outcome goes back on SGLang's status channel.
+
+Control frames travel on SGLang's per-rank ZMQ sockets as ``[b"ATOM", frame]``; the frame is
+the strict, pickle-free format of :mod:`sgl_atom.disagg.wire`. Addresses all come from the
+bootstrap registry and the handshakes (SGLang's ``SGLANG_HOST_IP`` picks the control socket's
+host; UCX's own variables pick NIXL's transport).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.server_args import ServerArgs
+
+from sgl_atom import envs
+from sgl_atom.disagg import wire
+from sgl_atom.disagg.engine import NixlEngine, TransferError
+from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
+from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
+from sgl_atom.disagg.regions import RegionError, heads_of_rank
+from sgl_atom.log import get_logger
+from sgl_atom.patches.disagg_pool_registry import pool_for
+
+logger = get_logger("sgl_atom.disagg")
+
+TAG = b"ATOM"
+BACKEND = "atom"
+
+
+class AtomTransferError(RuntimeError):
+    """A room could not be moved; the message says which peer, region or buffer and why."""
+
+
+@dataclass
+class _Peer:
+    """A decode rank this prefill rank accepted: its handshake and the checked plan."""
+
+    hs: wire.Handshake
+    plan: TransferPlan
+
+    @property
+    def target(self) -> tuple[str, int]:
+        return (self.hs.status_host, self.hs.status_port)
+
+
+def plan_for_peer(
+    export: PoolExport,
+    tp_rank: int,
+    tp_size: int,
+    is_last_stage: bool,
+    aux: list[tuple[int, int, int]],
+    hs: wire.Handshake,
+) -> TransferPlan:
+    """Check a decode rank's handshake against this prefill rank and plan its writes.
+
+    Raises HandshakeError (every region problem, each naming the region and both values) or
+    AtomTransferError (the peer's role, buffers or metadata rows) before anything is written.
+    """
+    if hs.role != "consumer":
+        raise AtomTransferError(f"peer {hs.agent_name} says it is a {hs.role}, not a consumer")
+    if len(hs.region_addrs) != len(hs.regions) or len(hs.region_bytes) != len(hs.regions):
+        raise AtomTransferError(
+            f"peer {hs.agent_name} declares {len(hs.regions)} regions but "
+            f"{len(hs.region_addrs)} addresses and {len(hs.region_bytes)} sizes"
+        )
+    plan = plan_transfer(
+        export.regions,
+        tp_rank,
+        tp_size,
+        hs.regions,
+        hs.tp_rank,
+        hs.tp_size,
+        stage_layers=range(*export.stage_layers),  # the layers this producer rank holds
+        holds_draft=is_last_stage,
+    )
+    if is_last_stage:
+        _check_aux(aux, hs.aux)
+    return plan
+
+
+def _check_aux(mine: list[tuple[int, int, int]], theirs: tuple[tuple[int, int, int], ...]) -> None:
+    if len(mine) != len(theirs):
+        raise AtomTransferError(
+            f"metadata buffers: producer {len(mine)}, consumer {len(theirs)} (enable the same "
+            "optional metadata, e.g. --disaggregation-enable-kv-checksum, on both)"
+        )
+    for i, ((_, _, a), (_, _, b)) in enumerate(zip(mine, theirs, strict=True)):
+        if a != b:
+            raise AtomTransferError(
+                f"metadata buffer {i}: bytes per request producer {a}, consumer {b}"
+            )
+
+
+class AtomKVManager(CommonKVManager):
+    """One rank's side of the atom backend (prefill: producer, decode: consumer)."""
+
+    kv_status_msg_tag = b"ATOM_STATUS"
+    kv_status_msg_carries_reason = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: bool | None = False,
+    ):
+        if is_mla_backend:
+            raise ValueError(
+                "--disaggregation-transfer-backend atom moves MHA KV pools (K and V per layer); "
+                "this model uses an MLA pool: use mooncake or nixl for it"
+            )
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.export = self._describe_pool(args)
+        role = "p" if disaggregation_mode == DisaggregationMode.PREFILL else "d"
+        self.engine = NixlEngine(f"atom-{role}{self.pp_rank}.{self.attn_tp_rank}-{uuid.uuid4()}")
+        self.engine.register({f"r{i}": t for i, t in enumerate(self.export.tensors)})
+        self.aux = [
+            (int(p), int(n), int(item))
+            for p, n, item in zip(
+                args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True
+            )
+        ]
+        self.engine.register_addresses({f"aux{i}": (p, n) for i, (p, n, _) in enumerate(self.aux)})
+        logger.info(
+            "atom P/D %s rank tp %d/%d pp %d/%d: %d regions (layers %d..%d), %d metadata buffers",
+            disaggregation_mode.value,
+            self.attn_tp_rank,
+            self.attn_tp_size,
+            self.pp_rank,
+            self.pp_size,
+            len(self.export.regions),
+            self.export.stage_layers[0],
+            self.export.stage_layers[1] - 1,
+            len(self.aux),
+        )
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._init_producer()
+        else:
+            self._start_thread(self._consumer_loop, "atom-pd-status")
+            self._start_heartbeat_checker_thread()
+
+    def _describe_pool(self, args: KVArgs) -> PoolExport:
+        if getattr(args, "num_draft_entries", 0):
+            raise RegionError(
+                "the atom transfer backend does not move a speculative draft's KV pool yet; "
+                "serve this P/D pair without a draft (or with --disaggregation-transfer-backend "
+                "mooncake/nixl)"
+            )
+        pool = pool_for(args.kv_data_ptrs[0]) if args.kv_data_ptrs else None
+        if pool is None:
+            raise RuntimeError(
+                "atom P/D: the KV pool behind the transfer buffers is unknown; sgl_atom's "
+                "plugin must be loaded in the scheduler process (check SGLANG_PLUGINS)"
+            )
+        export = describe_pool(
+            pool,
+            tp_rank=self.attn_tp_rank,
+            tp_size=self.attn_tp_size,
+            total_kv_heads=self._total_kv_heads(args),
+        )
+        ours = [t.data_ptr() for t in export.tensors if t.data_ptr() in set(args.kv_data_ptrs)]
+        if sorted(ours) != sorted(args.kv_data_ptrs):
+            raise RuntimeError(
+                f"atom P/D: SGLang hands over {len(args.kv_data_ptrs)} KV buffers, the pool "
+                f"description matches {len(ours)} of them; this pool layout is not supported"
+            )
+        return export
+
+    def _total_kv_heads(self, args: KVArgs) -> int:
+        """The model's KV heads: prefill's KVArgs carries them, decode's does not."""
+        total = getattr(args, "total_kv_head_num", None)
+        if total:
+            return int(total)
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return int(ModelConfig.from_server_args(self.server_args).get_total_num_kv_heads())
+
+    @staticmethod
+    def _start_thread(target: Any, name: str) -> None:
+        def guarded() -> None:
+            try:
+                target()
+            except Exception:
+                logger.exception("atom P/D thread %s died; new requests will time out", name)
+                raise
+
+        threading.Thread(target=guarded, name=name, daemon=True).start()
+
+    # ------------------------------------------------------------------ producer (prefill)
+
+    def _init_producer(self) -> None:
+        self.peers: dict[str, _Peer] = {}
+        self.refused: dict[str, str] = {}  # agent -> why its handshake was refused
+        self.refused_targets: dict[str, tuple[str, int]] = {}  # agent -> its status endpoint
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        self.queue = FastQueue()
+        self._start_thread(self._producer_control_loop, "atom-pd-control")
+        self._start_thread(self._producer_worker_loop, "atom-pd-worker")
+
+    def _producer_control_loop(self) -> None:
+        while True:
+            msg = self.server_socket.recv_multipart()
+            if msg and msg[0] == ABORT_TAG:
+                self._on_abort(msg)
+            elif len(msg) == 2 and msg[0] == TAG:
+                try:
+                    self._on_control(wire.decode(msg[1]))
+                except wire.WireError as e:
+                    logger.error("atom P/D: dropped a malformed control frame: %s", e)
+            else:
+                logger.warning("atom P/D: unexpected control message %r", msg[0][:20])
+
+    def _on_control(self, m: wire.Message) -> None:
+        if isinstance(m, wire.Handshake):
+            self._on_handshake(m)
+        elif isinstance(m, wire.TransferRequest):
+            self._on_request(m)
+        else:
+            logger.warning("atom P/D: a consumer sent a %s; ignored", type(m).__name__)
+
+    def _on_handshake(self, hs: wire.Handshake) -> None:
+        self.refused.pop(hs.agent_name, None)
+        try:
+            plan = plan_for_peer(
+                self.export, self.attn_tp_rank, self.attn_tp_size, self.is_last_stage, self.aux, hs
+            )
+            bounds = dict(zip(hs.region_addrs, hs.region_bytes, strict=True))
+            bounds.update({addr: n for addr, n, _ in hs.aux})
+            self.engine.add_peer(hs.agent_name, hs.agent_metadata, bounds)
+        except (HandshakeError, RegionError, TransferError, AtomTransferError, ValueError) as e:
+            reason = (
+                f"atom P/D: prefill rank tp {self.attn_tp_rank}/{self.attn_tp_size} pp "
+                f"{self.pp_rank}/{self.pp_size} refused decode rank tp {hs.tp_rank}/{hs.tp_size} "
+                f"({hs.agent_name}): {e}"
+            )
+            self.refused[hs.agent_name] = reason
+            self.refused_targets[hs.agent_name] = (hs.status_host, hs.status_port)
+            logger.error("%s", reason)
+            return
+        self.peers[hs.agent_name] = _Peer(hs, plan)
+        modes = sorted({p.mode for p in plan.pairs})
+        logger.info(
+            "atom P/D: accepted decode rank tp %d/%d (%s): %d region pairs, %s",
+            hs.tp_rank,
+            hs.tp_size,
+            hs.agent_name,
+            len(plan.pairs),
+            ",".join(modes) or "nothing to send",
+        )
+
+    def _on_request(self, req: wire.TransferRequest) -> None:
+        room = req.room
+        reason = self.refused.get(req.agent_name)
+        if reason is None and req.agent_name not in self.peers:
+            reason = f"atom P/D: room {room} from {req.agent_name}, which never shook hands"
+        if reason is not None:
+            self._fail_room_now(room, reason, req)
+            return
+        infos = self.transfer_infos.setdefault(room, {})
+        infos[req.agent_name] = req
+        if len(infos) == req.peers:
+            self.req_to_decode_prefix_len[room] = 0
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _fail_room_now(self, room: int, reason: str, req: wire.TransferRequest) -> None:
+        """Fail a room before any byte moves: here, on the prefill sender, and at the decode."""
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.WaitingForInput)  # opens the room if the sender has not
+        self.update_status(room, KVPoll.Failed)
+        target = self.refused_targets.get(req.agent_name)
+        self.send_kv_status_message(
+            targets=[target] if target else [],
+            bootstrap_room=room,
+            status=KVPoll.Failed,
+            failure_reason=reason,
+        )
+
+    def _on_abort(self, msg: list[bytes]) -> None:
+        note = AbortNotification.from_zmq(msg)
+        if note is None:
+            return
+        room = note.room
+        if room in self.request_status and self.check_status(room) != KVPoll.Success:
+            self.record_failure(room, "Aborted by decode-side abort notification.")
+            self.update_status(room, KVPoll.Failed)
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: npt.NDArray[np.int32],
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        **_: Any,
+    ) -> None:
+        """Called by the sender for each computed chunk: queue it for the writer thread."""
+        if state_indices:
+            raise AtomTransferError(
+                "the atom transfer backend moves KV pages only; this model has per-request "
+                "state (mamba/SWA/index) that it does not carry"
+            )
+        if bootstrap_room not in self.transfer_infos:
+            return
+        self.queue.put(
+            TransferKVChunk(
+                room=bootstrap_room,
+                prefill_kv_indices=kv_indices,
+                index_slice=index_slice,
+                is_last_chunk=is_last_chunk,
+                prefill_aux_index=aux_index,
+                state_indices=None,
+                num_kv_tokens=num_kv_tokens,
+            )
+        )
+
+    def _producer_worker_loop(self) -> None:
+        while True:
+            chunk = self.queue.get()
+            infos = dict(self.transfer_infos.get(chunk.room, {}))
+            targets = [self.peers[a].target for a in infos if a in self.peers]
+            if not infos:
+                continue
+            if self.check_status(chunk.room) == KVPoll.Failed:  # aborted on either side
+                self.conclude_failure(
+                    bootstrap_room=chunk.room, failure_reason="room failed", targets=targets
+                )
+                continue
+            try:
+                self._write_chunk(chunk, infos)
+            except Exception as e:  # a failed room must never stop the writer thread
+                logger.error("atom P/D: room %d failed: %s", chunk.room, e, exc_info=True)
+                self.conclude_failure(
+                    bootstrap_room=chunk.room, failure_reason=f"atom P/D: {e}", targets=targets
+                )
+                continue
+            if chunk.is_last_chunk:
+                self.conclude_transfer(
+                    bootstrap_room=chunk.room, status=KVPoll.Success, targets=targets
+                )
+
+    def _write_chunk(self, chunk: TransferKVChunk, infos: dict[str, wire.TransferRequest]) -> None:
+        delay_ms = envs.SGL_ATOM_PD_WRITE_DELAY_MS.get()
+        if delay_ms > 0:
+            logger.warning(
+                "atom P/D: SGL_ATOM_PD_WRITE_DELAY_MS: room %d waits %d ms before its writes",
+                chunk.room,
+                delay_ms,
+            )
+            time.sleep(delay_ms / 1000)
+        src_pages = [int(p) for p in chunk.prefill_kv_indices]
+        timeout = float(envs.SGL_ATOM_PD_TRANSFER_TIMEOUT.get())
+        for agent, req in infos.items():
+            peer = self.peers[agent]
+            dst_pages = req.page_ids[chunk.index_slice]
+            if len(dst_pages) != len(src_pages):
+                raise AtomTransferError(
+                    f"room {chunk.room}: prefill sends {len(src_pages)} pages for slice "
+                    f"{chunk.index_slice.start}:{chunk.index_slice.stop}, decode rank "
+                    f"{req.consumer_rank} has {len(dst_pages)} there"
+                )
+            handles = self._post_kv(peer, src_pages, dst_pages)
+            if chunk.is_last_chunk and self.is_last_stage and chunk.prefill_aux_index is not None:
+                handles += self._post_aux(peer, int(chunk.prefill_aux_index), req.aux_index)
+            for h in handles:
+                self.engine.wait(h, timeout_s=timeout)
+
+    def _post_kv(self, peer: _Peer, src: list[int], dst: tuple[int, ...]) -> list[Any]:
+        if not src:
+            return []
+        out = []
+        for pair in peer.plan.pairs:
+            spans = pair.spans(src, dst)
+            if spans:
+                addr = peer.hs.region_addrs[pair.consumer_index]
+                out.append(
+                    self.engine.write(peer.hs.agent_name, spans, f"r{pair.producer_index}", addr)
+                )
+        return out
+
+    def _post_aux(self, peer: _Peer, src_row: int, dst_row: int) -> list[Any]:
+        if dst_row < 0:
+            raise AtomTransferError("the decode rank sent no metadata row for the request")
+        out = []
+        for i, ((_, _, item), (dst_addr, _, _)) in enumerate(
+            zip(self.aux, peer.hs.aux, strict=True)
+        ):
+            span = [(src_row * item, dst_row * item, item)]
+            out.append(self.engine.write(peer.hs.agent_name, span, f"aux{i}", dst_addr))
+        return out
+
+    # ------------------------------------------------------------------ consumer (decode)
+
+    def _consumer_loop(self) -> None:
+        while True:
+            msg = self.server_socket.recv_multipart()
+            if self.handle_abort_ack_message(msg):
+                continue
+            parsed = self.parse_kv_status_message(msg)
+            if parsed is None:
+                logger.warning("atom P/D: unexpected status message %r", msg[0][:20])
+                continue
+            room, status, prefill_rank, reason = parsed
+            self.apply_prefill_status(
+                bootstrap_room=room, status=status, prefill_rank=prefill_rank, failure_reason=reason
+            )
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        hs = wire.Handshake(
+            role="consumer",
+            tp_rank=self.attn_tp_rank,
+            tp_size=self.attn_tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            stage_layers=self.export.stage_layers,
+            regions=self.export.regions,
+            region_addrs=tuple(a for a, _ in self.export.spans()),
+            agent_name=self.engine.name,
+            agent_metadata=self.engine.metadata(),
+            region_bytes=tuple(n for _, n in self.export.spans()),
+            aux=tuple(self.aux),
+            status_host=self.local_ip,
+            status_port=int(self.rank_port),
+        )
+        return [TAG, wire.encode(hs)]
+
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room: int,
+        required_dst_info_num: int,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: int | None,
+        state_indices: list | None,
+        decode_prefix_len: int | None,
+        is_dummy: bool,
+        device_kv_indices: npt.NDArray[np.int32] | None = None,
+    ) -> list[bytes]:
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            raise AtomTransferError(
+                "the atom transfer backend moves KV pages only; this model has per-request state"
+            )
+        total = self.export.regions[0].total_heads
+        head_start, head_count = heads_of_rank(total, self.attn_tp_size, self.attn_tp_rank)
+        req = wire.TransferRequest(
+            room=int(bootstrap_room),
+            consumer_rank=self.attn_tp_rank,
+            page_ids=tuple(int(p) for p in kv_indices),
+            head_start=head_start,
+            head_count=head_count,
+            aux_index=-1 if aux_index is None else int(aux_index),
+            agent_name=self.engine.name,
+            peers=int(required_dst_info_num or 1),
+        )
+        return [TAG, wire.encode(req)]
+
+    def check_status(self, bootstrap_room: int) -> int:
+        return self.request_status.get(bootstrap_room, KVPoll.WaitingForInput)
+
+
+class AtomKVSender(CommonKVSender):
+    """SGLang's common sender; chunks reach :meth:`AtomKVManager.add_transfer_request`."""
+
+
+class AtomKVReceiver(CommonKVReceiver):
+    """SGLang's common receiver; its messages are built by :class:`AtomKVManager`."""
+
+
+class AtomKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's HTTP bootstrap registry, unchanged."""

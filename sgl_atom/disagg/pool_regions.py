@@ -1,0 +1,116 @@
+"""Describe a live SGLang KV pool as P/D regions: what each buffer holds and where it is.
+
+Both roles run this on their own pool, so a producer and a consumer compare what they really
+hold: the K and V buffer of every layer (SGLang's token-major rows ``[slots, heads, head_dim]``,
+one run per token), and, where the atom attention backend keeps fp8 scales beside the pool
+(:mod:`sgl_atom.attention.kv_scales`), each layer's K and V scale buffer ``[slots, heads]``.
+Layers are numbered globally (``pool.start_layer`` on a pipeline stage), so a stage and a
+decode rank holding every layer agree.
+
+A draft pool appends its regions after these (kinds ``draft_*``, numbered from the end by the
+planner); :func:`describe_pool` takes ``draft_pool`` for that and refuses it until the draft's
+transfer is wired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_atom.disagg.regions import (
+    FP8_DTYPES,
+    RegionDesc,
+    RegionError,
+    build_rank_regions,
+    canonical_dtype,
+    heads_of_rank,
+)
+
+_SCALES_ATTR = "_sgl_atom_kv_scales"  # where sgl_atom.attention.kv_scales hangs the scales
+
+
+@dataclass(frozen=True)
+class PoolExport:
+    """One rank's regions, the tensor behind each (same order) and its PP stage's layers."""
+
+    regions: tuple[RegionDesc, ...]
+    tensors: tuple[torch.Tensor, ...]
+    stage_layers: tuple[int, int]
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(base address, bytes) of each region's buffer."""
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+
+
+def pool_dtype(pool: Any) -> str:
+    """torch's name of the dtype the pool holds (fp8 stored as uint8 reads as fp8)."""
+    return canonical_dtype(str(getattr(pool, "dtype", None) or pool.store_dtype))
+
+
+def describe_pool(
+    pool: Any,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    total_kv_heads: int,
+    draft_pool: Any | None = None,
+) -> PoolExport:
+    """The regions of ``pool`` (an MHA token pool) on TP rank ``tp_rank`` of ``tp_size``."""
+    if draft_pool is not None:
+        raise RegionError(
+            "the atom transfer backend does not move a draft KV pool yet; serve the P/D pair "
+            "without a speculative draft (its regions are appended after the target's once wired)"
+        )
+    k_bufs, v_bufs = (
+        list(getattr(pool, "k_buffer", None) or []),
+        list(getattr(pool, "v_buffer", None) or []),
+    )
+    if not k_bufs or len(k_bufs) != len(v_bufs):
+        raise RegionError(
+            f"{type(pool).__name__}: the atom transfer backend moves MHA token pools with one K "
+            "and one V buffer per layer (k_buffer/v_buffer); this pool has none"
+        )
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    layers = range(start, start + len(k_bufs))
+    _, per = heads_of_rank(total_kv_heads, tp_size, tp_rank)
+    _check_buffers(pool, k_bufs, v_bufs, per)
+    dtype = pool_dtype(pool)
+    scales = getattr(pool, _SCALES_ATTR, None)
+    regions = build_rank_regions(
+        layers=layers,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kv_heads=total_kv_heads,
+        head_dim=int(k_bufs[0].shape[-1]),
+        dtype=dtype,
+        page_size=int(pool.page_size),
+        runs_per_page=None,  # SGLang's rows are token-major: one run per token
+        fp8_scales=scales is not None and dtype in FP8_DTYPES,
+    )
+    per_layer = 4 if scales is not None and dtype in FP8_DTYPES else 2
+    tensors: list[torch.Tensor] = []
+    for i in range(len(k_bufs)):
+        tensors += [k_bufs[i], v_bufs[i]]
+        if per_layer == 4:
+            tensors += [scales.k[i], scales.v[i]]
+    if len(tensors) != len(regions):
+        raise RegionError(f"{len(regions)} regions described for {len(tensors)} buffers")
+    return PoolExport(tuple(regions), tuple(tensors), (layers.start, layers.stop))
+
+
+def _check_buffers(pool: Any, k_bufs: list, v_bufs: list, per: int) -> None:
+    for i, (k, v) in enumerate(zip(k_bufs, v_bufs, strict=True)):
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 3 or int(t.shape[1]) != per or not t.is_contiguous():
+                raise RegionError(
+                    f"{type(pool).__name__} layer {i} {name}_buffer: expected contiguous "
+                    f"[slots, {per} heads, head_dim] rows, got shape {tuple(t.shape)} "
+                    f"(contiguous={t.is_contiguous()})"
+                )
+        if k.shape != v.shape:
+            raise RegionError(
+                f"{type(pool).__name__} layer {i}: K {tuple(k.shape)} and V {tuple(v.shape)} "
+                "differ; the atom transfer backend moves pools whose K and V rows match"
+            )

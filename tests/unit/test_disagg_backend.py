@@ -1,0 +1,204 @@
+"""The atom transfer backend's SGLang wiring: the three hooks, pool descriptions, peer checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_atom.disagg import wire
+from sgl_atom.disagg.plan import HandshakeError
+from sgl_atom.disagg.pool_regions import describe_pool
+from sgl_atom.disagg.regions import RegionError, RegionKind
+from sgl_atom.patches import disagg_backend_enum, disagg_kv_class, disagg_pool_registry
+
+
+class _Pool(SimpleNamespace):
+    """A stand-in for SGLang's MHA token pool (weak-referenceable, like the real one)."""
+
+
+def _pool(layers=4, slots=33, heads=2, head_dim=64, dtype=torch.float16, start=0, page=1):
+    def buf() -> torch.Tensor:
+        return torch.full((slots, heads, head_dim), float("nan")).to(dtype)
+
+    return _Pool(
+        k_buffer=[buf() for _ in range(layers)],
+        v_buffer=[buf() for _ in range(layers)],
+        dtype=dtype,
+        store_dtype=dtype,
+        page_size=page,
+        start_layer=start,
+        layer_num=layers,
+    )
+
+
+def _consumer(pool, *, tp_rank=0, tp_size=1, total=2, aux=((0, 64, 8),)) -> wire.Handshake:
+    export = describe_pool(pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total)
+    spans = export.spans()
+    return wire.Handshake(
+        role="consumer",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        stage_layers=export.stage_layers,
+        regions=export.regions,
+        region_addrs=tuple(a for a, _ in spans),
+        agent_name="d0",
+        agent_metadata=b"meta",
+        region_bytes=tuple(n for _, n in spans),
+        aux=aux,
+        status_host="127.0.0.1",
+        status_port=4321,
+    )
+
+
+# ---------------------------------------------------------------- the hooks
+
+
+def test_enum_hook_answers_declared_values_only():
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    member = disagg_backend_enum.add_backend("atom")
+    assert disagg_backend_enum.add_backend("atom") is member
+    assert isinstance(member, TransferBackend) and member.value == "atom"
+    assert member != TransferBackend.NIXL
+
+    def original(value):
+        raise ValueError(f"{value!r} is not a valid TransferBackend")
+
+    assert disagg_backend_enum.missing_with_sgl_atom_backends(original, "atom") is member
+    with pytest.raises(ValueError, match="'nope' is not a valid"):
+        disagg_backend_enum.missing_with_sgl_atom_backends(original, "nope")
+
+
+def test_kv_class_hook_answers_atom_and_passes_the_rest():
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+
+    from sgl_atom.disagg import backend
+
+    calls = []
+
+    def original(tb, kind):
+        calls.append((tb, kind))
+        return "upstream"
+
+    backend.register()  # declares the classes (hooks are applied by SGLang, not here)
+    atom = disagg_backend_enum.add_backend("atom")
+    hook = disagg_kv_class.kv_class_with_sgl_atom_backends
+    from sgl_atom.disagg import conn
+
+    assert hook(original, atom, KVClassType.MANAGER) is conn.AtomKVManager
+    assert hook(original, atom, KVClassType.RECEIVER) is conn.AtomKVReceiver
+    assert hook(original, atom, KVClassType.BOOTSTRAP_SERVER) is conn.AtomKVBootstrapServer
+    assert hook(original, atom, KVClassType.KVARGS) == "upstream"
+    assert hook(original, TransferBackend.NIXL, KVClassType.SENDER) == "upstream"
+    assert calls == [(atom, KVClassType.KVARGS), (TransferBackend.NIXL, KVClassType.SENDER)]
+
+
+def test_pool_registry_records_the_pool_and_returns_nothing_new():
+    pool = _pool()
+    result = ([pool.k_buffer[0].data_ptr(), 7], [1, 1], [1, 1])
+    assert disagg_pool_registry.record_pool(result, pool) is None
+    assert disagg_pool_registry.pool_for(pool.k_buffer[0].data_ptr()) is pool
+    assert disagg_pool_registry.pool_for(12345) is None
+
+
+# ---------------------------------------------------------------- pool descriptions
+
+
+def test_describe_pool_names_k_v_per_global_layer():
+    pool = _pool(layers=2, start=2)
+    export = describe_pool(pool, tp_rank=0, tp_size=1, total_kv_heads=2)
+    kinds = [(r.kind, r.global_layer) for r in export.regions]
+    assert kinds == [
+        (RegionKind.TARGET_K, 2),
+        (RegionKind.TARGET_V, 2),
+        (RegionKind.TARGET_K, 3),
+        (RegionKind.TARGET_V, 3),
+    ]
+    assert export.stage_layers == (2, 4)
+    assert export.tensors[1] is pool.v_buffer[0]
+    r = export.regions[0]
+    assert (r.dtype, r.head_dim, r.heads_per_rank, r.total_heads) == ("float16", 64, 2, 2)
+    assert r.runs_per_page is None and r.unit_bytes == 128
+    assert export.spans()[0] == (pool.k_buffer[0].data_ptr(), 33 * 2 * 64 * 2)
+
+
+def test_describe_pool_adds_fp8_scales_hung_off_the_pool():
+    pool = _pool(layers=2, heads=1, dtype=torch.float8_e4m3fn)
+    pool._sgl_atom_kv_scales = SimpleNamespace(
+        k=[torch.ones(33, 1) for _ in range(2)], v=[torch.ones(33, 1) for _ in range(2)]
+    )
+    export = describe_pool(pool, tp_rank=1, tp_size=2, total_kv_heads=2)
+    assert [r.kind for r in export.regions[:4]] == [
+        RegionKind.TARGET_K,
+        RegionKind.TARGET_V,
+        RegionKind.K_SCALE,
+        RegionKind.V_SCALE,
+    ]
+    assert export.tensors[2] is pool._sgl_atom_kv_scales.k[0]
+    assert export.regions[2].dtype == "float32" and export.regions[0].dtype == "float8_e4m3fn"
+
+
+@pytest.mark.parametrize(
+    "pool, kw, match",
+    [
+        (_pool(heads=2), dict(tp_rank=0, tp_size=2, total_kv_heads=2), "expected contiguous"),
+        (_Pool(page_size=1), dict(tp_rank=0, tp_size=1, total_kv_heads=2), "this pool has none"),
+        (_pool(), dict(tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=object()), "draft"),
+    ],
+    ids=["heads-per-rank", "not-mha", "draft-pool"],
+)
+def test_describe_pool_refuses_what_it_cannot_move(pool, kw, match):
+    with pytest.raises(RegionError, match=match):
+        describe_pool(pool, **kw)
+
+
+# ---------------------------------------------------------------- peer checks
+
+
+def _producer(pool, tp_rank=0, tp_size=1, total=2):
+    return describe_pool(pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total)
+
+
+def test_plan_for_peer_accepts_a_matching_decode_and_splits_heads():
+    from sgl_atom.disagg.conn import plan_for_peer
+
+    plan = plan_for_peer(_producer(_pool()), 0, 1, True, [(0, 64, 8)], _consumer(_pool()))
+    assert len(plan.pairs) == 8 and {p.mode for p in plan.pairs} == {"whole"}
+    hs = _consumer(_pool(heads=1), tp_rank=1, tp_size=2)
+    plan = plan_for_peer(_producer(_pool()), 0, 1, True, [(0, 64, 8)], hs)
+    assert {(p.mode, p.src_head_start, p.num_heads) for p in plan.pairs} == {("split", 1, 1)}
+
+
+def test_plan_for_peer_refuses_another_layout_naming_region_and_values():
+    from sgl_atom.disagg.conn import plan_for_peer
+
+    other = _consumer(_pool(layers=2, head_dim=32))
+    with pytest.raises(HandshakeError) as e:
+        plan_for_peer(_producer(_pool()), 0, 1, True, [(0, 64, 8)], other)
+    text = str(e.value)
+    assert "nothing was written" in text
+    assert "target_k layer 0: head_dim producer 64, consumer 32" in text
+    assert "target_k layer 2: producer exports it, consumer has no such region" in text
+
+
+def test_plan_for_peer_refuses_other_metadata_rows():
+    from sgl_atom.disagg.conn import AtomTransferError, plan_for_peer
+
+    hs = _consumer(_pool(), aux=((0, 64, 16),))
+    with pytest.raises(AtomTransferError, match="metadata buffer 0: bytes per request"):
+        plan_for_peer(_producer(_pool()), 0, 1, True, [(0, 64, 8)], hs)
+    # a stage that does not hold the last layers sends no metadata, so it does not compare it
+    plan_for_peer(_producer(_pool()), 0, 1, False, [(0, 64, 8)], hs)
+
+
+def test_handshake_with_backend_fields_round_trips():
+    hs = _consumer(_pool(layers=1))
+    assert wire.decode(wire.encode(hs)) == hs
+    req = wire.TransferRequest(5, 0, (1, 2, 3), 0, 2, aux_index=4, agent_name="d0", peers=2)
+    assert wire.decode(wire.encode(req)) == req
+    with pytest.raises(wire.WireError, match="region_bytes for"):
+        wire.encode(wire.Handshake(**{**hs.__dict__, "region_bytes": (1,)}))
