@@ -40,43 +40,34 @@ def plugins_without_sgl_atom() -> str:
     return ",".join(names) or "none"
 
 
-class Server:
-    """One ``sglang.launch_server`` process on 127.0.0.1."""
+class ManagedProcess:
+    """A command on 127.0.0.1 with an HTTP health endpoint, in its own process group, its
+    output in a log file; ``start`` waits for health, ``stop`` ends the whole group."""
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        args: list[str] | None = None,
-        env: dict[str, str] | None = None,
-        with_plugin: bool = True,
-        port: int | None = None,
-        name: str = "server",
-    ):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    health_path = "/health"
+    health_timeout = 5.0
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None, port: int, name: str):
+        self.cmd, self.env = cmd, env
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.name = name
-        argv = ["--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += list(args or [])
-        self.cmd, self.env = server_command(argv)
-        self.env.update(env or {})
-        if not with_plugin:
-            self.env["SGLANG_PLUGINS"] = plugins_without_sgl_atom()
         self.log_path = Path(tempfile.mkstemp(prefix=f"sgl_atom-{name}-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float | None = None) -> Server:
+    def start(self, timeout: float | None = None):
         timeout = timeout or envs.SGL_ATOM_SERVER_TIMEOUT.get()
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(
                     f"{self.name} exited with code {self.proc.returncode} during start-up. "
-                    f"SGLang said:\n{self.log_tail()}"
+                    f"Its log said:\n{self.log_tail()}"
                 )
             if self._healthy():
                 return self
@@ -86,7 +77,8 @@ class Server:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+            url = self.url + self.health_path
+            with urllib.request.urlopen(url, timeout=self.health_timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, TimeoutError):
             return False
@@ -110,12 +102,6 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def generate(self, prompts: list[str], max_new_tokens: int = 16, **extra) -> list[dict]:
-        """Greedy generation for a batch of prompts through /generate."""
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-        out = self.post("/generate", {"text": prompts, "sampling_params": params, **extra})
-        return out if isinstance(out, list) else [out]
-
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -128,8 +114,39 @@ class Server:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> Server:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Server(ManagedProcess):
+    """One ``sglang.launch_server`` process on 127.0.0.1."""
+
+    health_path = "/health_generate"
+    health_timeout = 30.0
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        with_plugin: bool = True,
+        port: int | None = None,
+        name: str = "server",
+    ):
+        port = port or free_port()
+        argv = ["--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
+        argv += list(args or [])
+        cmd, full_env = server_command(argv)
+        full_env.update(env or {})
+        if not with_plugin:
+            full_env["SGLANG_PLUGINS"] = plugins_without_sgl_atom()
+        super().__init__(cmd, full_env, port, name)
+
+    def generate(self, prompts: list[str], max_new_tokens: int = 16, **extra) -> list[dict]:
+        """Greedy generation for a batch of prompts through /generate."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        out = self.post("/generate", {"text": prompts, "sampling_params": params, **extra})
+        return out if isinstance(out, list) else [out]
