@@ -48,6 +48,10 @@ def _register_all() -> list[str]:
     names += draft_kv_dtype.register()
     names += disagg_backend.register()
     names.append(dspark_algorithm.register())
+    from .patches import m3_atom_unwrapped
+
+    m3_atom_unwrapped.install()
+    names.append("patch:m3_atom_unwrapped")
     if cpu_mode.cpu_mode_enabled():
         from . import cpu_spec_ops
         from .patches import cpu_fp8_kv, cpu_gloo_groups, cpu_kv_move

@@ -41,6 +41,34 @@ def _field(cfg, name: str, default=None):
     return getattr(cfg, name, default)
 
 
+def kernel_problems(block: int, index_heads: int, kv_heads: int, head_dim: int, sc) -> list[str]:
+    """Every field of a sparse config the atom kernels cannot serve, each named with the
+    supported values (all of them at once, so one failed start shows every fix)."""
+    problems = []
+    if block != SPARSE_BLOCK:
+        problems.append(
+            f"sparse_attention_config.sparse_block_size={block} is not supported by the "
+            f"atom sparse kernels; supported: {SPARSE_BLOCK}"
+        )
+    if index_heads != kv_heads:
+        problems.append(
+            f"sparse_attention_config.sparse_num_index_heads={index_heads} must equal the KV "
+            f"heads ({kv_heads}): the kernels score one index query per KV head"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        problems.append(
+            f"head_dim={head_dim} is not supported by the atom sparse kernels; "
+            f"supported: {SUPPORTED_HEAD_DIMS}"
+        )
+    score = _field(sc, "sparse_score_type", "max")
+    if score not in SUPPORTED_SCORE_TYPES:
+        problems.append(
+            f"sparse_attention_config.sparse_score_type={score!r} is not supported; "
+            f"supported: {SUPPORTED_SCORE_TYPES}"
+        )
+    return problems
+
+
 @dataclass(frozen=True)
 class SparseConfig:
     sparse_layer_ids: tuple[int, ...]
@@ -69,28 +97,12 @@ class SparseConfig:
             return value
 
         block = int(need("sparse_block_size"))
-        if block != SPARSE_BLOCK:
-            raise SparseConfigError(
-                f"sparse_attention_config.sparse_block_size={block} is not supported by the "
-                f"atom sparse kernels; supported: {SPARSE_BLOCK}"
-            )
         heads = int(need("sparse_num_index_heads"))
-        if heads != num_kv_heads:
-            raise SparseConfigError(
-                f"sparse_attention_config.sparse_num_index_heads={heads} must equal the KV "
-                f"heads ({num_kv_heads}): the kernels score one index query per KV head"
-            )
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise SparseConfigError(
-                f"head_dim={head_dim} is not supported by the atom sparse kernels; "
-                f"supported: {SUPPORTED_HEAD_DIMS}"
-            )
-        score = _field(sc, "sparse_score_type", "max")
-        if score not in SUPPORTED_SCORE_TYPES:
-            raise SparseConfigError(
-                f"sparse_attention_config.sparse_score_type={score!r} is not supported; "
-                f"supported: {SUPPORTED_SCORE_TYPES}"
-            )
+        problems = kernel_problems(block, heads, num_kv_heads, head_dim, sc)
+        if len(problems) == 1:
+            raise SparseConfigError(problems[0])
+        if problems:
+            raise SparseConfigError(f"{len(problems)} unsupported fields: " + " | ".join(problems))
         init = _field(sc, "sparse_init_block")
         if init is None:
             init = -(-int(need("sparse_init_tokens")) // block)

@@ -8,11 +8,14 @@ modelling follows :mod:`sgl_atom.models.m3_reference` (its docstring cites the S
 mirrored): pre-norm residual stream with Gemma RMSNorms, per-head q/k (and index q/k) norms
 before NeoX RoPE on the first ``rotary_dim`` channels, index value disabled.
 
-MoE: a small torch MoE, not SGLang's ``FusedMoE`` (not established to run on the CPU engine for
-this config; the loop over experts is plain torch and serves any device). Routing is the
-reference's: sigmoid (or softmax) scores in float32, experts chosen by score +
-``e_score_correction_bias``, weighted by the unbiased score renormalised to 1, times
-``routed_scaling_factor``; the shared expert is added.
+MoE: the routed experts are SGLang's ``FusedMoE`` (the fused Triton MoE on GPU; on a CPU without
+AMX/sgl_kernel its native per-expert path, which matches a plain torch loop within bf16: max
+0.008 in log-prob on the tiny checkpoint). Routing stays here, not in SGLang's ``TopK``: its
+sigmoid routing on a CPU without AMX calls ``topk_sigmoid``, which SGLang 0.5.23 imports for
+CUDA/HIP/XPU/MUSA only (layers/moe/topk.py). The routing is the reference's: sigmoid (or
+softmax) scores in float32, experts chosen by score + ``e_score_correction_bias``, weighted by
+the unbiased score renormalised to 1, times ``routed_scaling_factor``; the shared expert is
+added.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+from sglang.srt.layers.moe.topk import StandardTopKOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -40,8 +45,10 @@ from sglang.srt.utils.hf_transformers_utils import get_rope_config
 from torch import nn
 
 from sgl_atom.attention.sparse import SparseConfig
+from sgl_atom.log import get_logger
 
 ATOM_BACKEND = "atom"
+logger = get_logger("sgl_atom.models")
 
 
 class M3ServingError(ValueError):
@@ -109,19 +116,6 @@ class M3MLP(nn.Module):
         return out
 
 
-class M3Expert(nn.Module):
-    """One routed expert under the checkpoint's names: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, hidden: int, inter: int, prefix: str = ""):
-        super().__init__()
-        self.w1 = ReplicatedLinear(hidden, inter, bias=False, prefix=add_prefix("w1", prefix))
-        self.w3 = ReplicatedLinear(hidden, inter, bias=False, prefix=add_prefix("w3", prefix))
-        self.w2 = ReplicatedLinear(inter, hidden, bias=False, prefix=add_prefix("w2", prefix))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)[0]) * self.w3(x)[0])[0]
-
-
 def route(logits: torch.Tensor, bias, top_k: int, scoring: str, scale: float):
     """(weights [tokens, top_k] float32, ids [tokens, top_k]) from float32 router logits."""
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
@@ -132,7 +126,10 @@ def route(logits: torch.Tensor, bias, top_k: int, scoring: str, scale: float):
 
 
 class M3MoE(nn.Module):
-    def __init__(self, config, prefix: str = ""):
+    """Routed experts in SGLang's ``FusedMoE`` (``w13`` = [w1; w3], ``w2``), routing as the
+    reference, plus the shared expert."""
+
+    def __init__(self, config, layer_id: int, prefix: str = ""):
         super().__init__()
         if getattr(config, "swiglu_alpha", None) or getattr(config, "swiglu_limit", None):
             raise M3ServingError(
@@ -147,9 +144,16 @@ class M3MoE(nn.Module):
         self.e_score_correction_bias = None
         if getattr(config, "use_routing_bias", False):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
-        self.experts = nn.ModuleList(
-            M3Expert(h, config.intermediate_size, add_prefix(f"experts.{i}", prefix))
-            for i in range(e)
+        self.experts = FusedMoE(
+            num_experts=e,
+            hidden_size=h,
+            intermediate_size=config.intermediate_size,
+            layer_id=layer_id,
+            top_k=self.top_k,
+            reduce_results=True,
+            prefix=add_prefix("experts", prefix),
+            activation="silu",
+            gate_up_interleaved=False,
         )
         shared = getattr(config, "n_shared_experts", 0) or 0
         self.shared_experts = (
@@ -163,15 +167,10 @@ class M3MoE(nn.Module):
         weights, ids = route(
             logits, self.e_score_correction_bias, self.top_k, self.scoring, self.scale
         )
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel():
-                y = expert(x[rows]).float() * weights[rows, slot, None]
-                out.index_add_(0, rows, y)
+        out = self.experts(x, StandardTopKOutput(weights, ids.to(torch.int32), logits))
         if self.shared_experts is not None:
-            out += self.shared_experts(x).float()
-        return out.to(x.dtype)
+            out = out + self.shared_experts(x)
+        return out
 
 
 class M3Attention(nn.Module):
@@ -266,7 +265,7 @@ class M3DecoderLayer(nn.Module):
         h = config.hidden_size
         self.self_attn = M3Attention(config, layer_id, sparse, add_prefix("self_attn", prefix))
         if config.moe_layer_freq[layer_id]:
-            self.mlp = M3MoE(config, add_prefix("mlp", prefix))
+            self.mlp = M3MoE(config, layer_id, add_prefix("mlp", prefix))
         else:
             self.mlp = M3MLP(h, config.dense_intermediate_size, add_prefix("mlp", prefix))
         self.input_layernorm = _norm(config, h)
@@ -305,6 +304,9 @@ class M3Model(nn.Module):
 
 
 class MiniMaxM3SparseForCausalLM(nn.Module):
+    # sparse layers run on the atom backend's forward_sparse: SGLang's MiniMax sparse
+    # wrapper is not needed (sgl_atom.patches.m3_atom_unwrapped)
+    SERVES_SPARSE_ON_ATOM = True
     stacked_params = (
         (".qkv_proj", ".q_proj", "q"),
         (".qkv_proj", ".k_proj", "k"),
@@ -362,16 +364,23 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
         """Load the checkpoint under its own names (``block_sparse_moe`` is ``mlp`` here)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        dense_index: set[int] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")
             target, shard = self._stacked(name)
+            if target not in params and ".self_attn.index_" in name:
+                # a sparse checkpoint whose config serves this layer dense
+                dense_index.add(int(name.split(".layers.", 1)[1].split(".", 1)[0]))
+                continue
             if target not in params:
                 raise KeyError(f"checkpoint weight {name!r} has no parameter ({target!r})")
             param = params[target]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            if shard is None:
+            if isinstance(shard, tuple):
+                loader(param, tensor, target, shard_id=shard[0], expert_id=shard[1])
+            elif shard is None:
                 loader(param, tensor)
             else:
                 loader(param, tensor, shard)
@@ -379,11 +388,21 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"parameters not in the checkpoint: {sorted(missing)[:8]}")
+        if dense_index:
+            logger.info(
+                "layers %s attend dense (sparse_attention_freq 0): their index q/k "
+                "projections in the checkpoint are not loaded",
+                sorted(dense_index),
+            )
         return loaded
 
     def _stacked(self, name: str):
+        """(parameter name, shard): shard is a QKV/gate-up index, (w1|w2|w3, expert) for a
+        routed expert's weight (into FusedMoE's w13/w2), or None."""
         if ".experts." in name:
-            return name, None
+            layer, rest = name.split(".experts.", 1)
+            expert, w = rest.split(".")[:2]
+            return f"{layer}.experts.{'w2' if w == 'w2' else 'w13'}_weight", (w, int(expert))
         for param_name, weight_name, shard in self.stacked_params:
             if weight_name in name:
                 return name.replace(weight_name, param_name), shard

@@ -131,4 +131,17 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         remove_when="KVArgs (or the manager's constructor) carries the KV pool",
     ),
+    LedgerEntry(
+        module="sgl_atom.patches.m3_atom_unwrapped",
+        target="sglang.srt.layers.attention.attention_registry.attn_backend_wrapper",
+        why=(
+            "For MiniMax-M3 architectures SGLang wraps every attention backend in "
+            "MiniMaxHybridAttnBackend with its own MiniMaxSparseAttnBackend, built and fed "
+            "metadata every step. sgl_atom's M3 class runs sparse layers through the atom "
+            "backend's forward_sparse, so for that model on atom the AROUND hook returns the "
+            "atom backend unwrapped; other models and SGLang's M3 class are wrapped as before."
+        ),
+        upstream="sglang 0.5.23 srt/layers/attention/attention_registry.py attn_backend_wrapper",
+        remove_when="SGLang lets a model or backend opt out of the MiniMax sparse wrapper",
+    ),
 )

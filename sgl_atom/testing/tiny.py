@@ -275,6 +275,46 @@ def _m3(out: Path, vocab: int, spec: dict) -> None:
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def m3_variant(base: Path, out: Path, sparse: dict | None = None, **top) -> Path:
+    """A copy of the ``m3`` checkpoint at ``base`` whose config.json has ``sparse`` merged into
+    ``sparse_attention_config`` and ``top`` into the top level; weights and tokenizer are the
+    same bytes. Idempotent (stamped with the base's stamp and the overrides), written to a
+    temporary sibling and renamed into place like :func:`build`.
+
+    ``m3_variant(b, o, {"sparse_topk_blocks": 4})`` attends every block of a 3-block prompt;
+    ``m3_variant(b, o, {"sparse_attention_freq": [0] * layers})`` serves every layer dense (the
+    model then skips the index projections of the checkpoint)."""
+    base, out = Path(base).resolve(), Path(out).resolve()
+    overrides = {"sparse": sparse or {}, "top": top}
+    blob = json.dumps({"base": (base / STAMP).read_text(), **overrides}, sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    stamp = out / STAMP
+    if stamp.exists() and json.loads(stamp.read_text()).get("digest") == digest:
+        return out
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["sparse_attention_config"] = {**cfg["sparse_attention_config"], **(sparse or {})}
+    _write_copy(base, out, cfg | top, {"kind": "m3-variant", "digest": digest})
+    return out
+
+
+def _write_copy(base: Path, out: Path, cfg: dict, stamp: dict) -> None:
+    """``base``'s files with ``cfg`` as config.json, built beside ``out`` and renamed into it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for f in base.iterdir():
+            if f.is_file() and f.name not in (STAMP, "config.json"):
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / STAMP).write_text(json.dumps(stamp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _add_kv_outliers(model, head_dim: int, k_channels: tuple, k_gain: float, v_gain: float):
     """Give K a few large channels per head and V a small range, as trained models have.
 
@@ -356,6 +396,32 @@ KINDS["dspark"] = (
         vocab=512,
     ),
     _dspark,
+)
+
+
+def _asset(out: Path, vocab: int, spec: dict) -> None:
+    """A committed checkpoint (``sgl_atom/testing/assets/<asset>``) copied over the built
+    tokenizer; its weights must hash to ``spec["sha256"]``."""
+    src = Path(__file__).parent / "assets" / spec["asset"]
+    digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    if digest != spec["sha256"]:
+        raise ValueError(f"{src}/model.safetensors: sha256 {digest} != {spec['sha256']}")
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, out / f.name)
+
+
+# The "llama" architecture trained as a language model of a sparse order-2 word chain
+# (sgl_atom/spec/dspark/train_target.py; figures in its train_target.json): its greedy
+# continuation of any word prompt follows the chain, so a DSpark draft can predict it.
+KINDS["llama-chain"] = (
+    dict(
+        asset="llama-chain-target",
+        sha256="a59df2f6a5d78a02b7c03f25f369414a21006ef00f7038cece420d2a19532671",
+        vocab=512,
+        seed=0,
+    ),
+    _asset,
 )
 
 # A MiniMax-M3-style sparse-attention MoE (issue 5). Layer 0: dense attention, dense MLP;

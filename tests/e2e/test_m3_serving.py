@@ -1,9 +1,17 @@
-"""sgl_atom's MiniMaxM3SparseForCausalLM on a real server (atom backend, bf16, CPU) against the
+"""sgl_atom's MiniMaxM3SparseForCausalLM on a real server (atom backend, CPU) against the
 float64 reference forward of the tiny ``m3`` checkpoint.
 
 The prompt (420 tokens) is longer than (topk + local) blocks of 128 tokens and is prefilled in
 256-token chunks, so the second chunk's sparse layers read the first chunk's index keys and
 drop blocks. Decoding after it brings the sparse path to its first log line of block counts.
+
+Also served: fp8 KV (per-token-head scales, fp8 index keys) on the first 300 tokens (tokens
+past 256 skip the middle block); a copy of the checkpoint with ``sparse_topk_blocks`` 4 (every
+block of a 3-block prompt attended) against the same weights with every layer dense
+(``sparse_attention_freq`` all 0: the layers attend through ``RadixAttention``, the index
+projections are not loaded); and a config the sparse kernels cannot serve, which must stop the
+server at load with every unsupported field named. Each server is stopped once its answers are
+in, so at most one runs at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from e2e_utils import greedy_from_ids, teacher_forced_logprobs, word_prompts
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.models.m3_reference import M3Reference
 from sgl_atom.testing import tiny
-from sgl_atom.testing.server import Server
+from sgl_atom.testing.server import Server, ServerStartError
 
 PROMPT_TOKENS = 420
 # bf16 server vs float64 reference. Nearly every position agrees to ~1e-2; a token whose
@@ -29,11 +37,45 @@ TOL_BULK, BULK_FRACTION, TOL_MAX = 0.03, 0.99, 0.3
 DECODE_TOKENS = 24
 ARGS = ["--dtype", "bfloat16", "--attention-backend", "atom", "--chunked-prefill-size", "256"]
 SKIP_LINE = re.compile(r"(\d+) of (\d+) visible \(token, head\) blocks attended, (\d+) skipped")
+ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
+# fp8 KV: three blocks, so tokens past 256 skip the middle one (topk 2 = init + local)
+FP8_TOKENS = 300
+# fp8 server vs float64 reference, measured: mean |dlogp| 0.019, 95% within 0.05, max 0.19;
+# vs the bf16 server: mean 0.019, max 0.08-0.09. e4m3 keeps 3 mantissa bits, so K, V and the index
+# keys move by up to ~6% per element (one scale per token and head): a small shift on every
+# position, and the bf16 run's near-ties in expert routing on top when compared with float64.
+FP8_TOL_MEAN, FP8_TOL_BULK, FP8_BULK_FRACTION, FP8_TOL_MAX = 0.03, 0.05, 0.9, 0.3
+FP8_VS_BF16_MAX = 0.15
+# top-k covering every block vs dense: a 3-block prompt plus greedy tokens that stay in it. The
+# random tiny model has flat logits (top-2 gaps of 0.001 occur), and two bf16 kernels round
+# differently, so greedy equality is asked where the float64 reference has a clear winner at
+# every step: at 320 tokens its smallest top-2 gap over 6 steps is 0.09 (at 300 it is 0.001).
+COVER_TOKENS, COVER_TOPK, COVER_NEW, COVER_MARGIN = 320, 4, 6, 0.05
+# The tiny model loops (6 x token 139 there), so the teacher-forced log-probs of the two
+# servers over all 320 positions are the finer check: measured max |dlogp| 0.008, mean 0.001
+# (rounding only; an expert-routing near-tie could move one position by ~0.16).
+COVER_TOL_MEAN, COVER_TOL_MAX = 0.005, 0.3
+# what the sparse kernels cannot serve, all at once (each field is refused on its own in
+# tests/unit/test_atom_sparse.py)
+UNSERVABLE = dict(
+    sparse=dict(sparse_block_size=64, sparse_num_index_heads=1, sparse_score_type="lse"),
+    head_dim=64,
+)
+UNSERVABLE_NAMED = (
+    "sparse_block_size=64 is not supported by the atom sparse kernels; supported: 128",
+    "sparse_num_index_heads=1 must equal the KV heads (2)",
+    "head_dim=64 is not supported by the atom sparse kernels; supported: (128,)",
+    "sparse_score_type='lse' is not supported; supported: ('max',)",
+)
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny.build(cache_dir() / "tiny" / "m3", "m3")
+
+
+def _variant(model, name: str, sparse: dict | None = None, **top):
+    return tiny.m3_variant(model, cache_dir() / "tiny" / f"m3-{name}", sparse, **top)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +91,26 @@ def prompt(model) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(servers, model, prompt) -> tuple[list[float], Server]:
-    srv = servers.start(model, ARGS, env={"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"})
+    srv = servers.start(model, ARGS, env=ENV)
     logprobs = teacher_forced_logprobs(srv, [prompt])[0]
     greedy_from_ids(srv, [prompt], DECODE_TOKENS)
+    srv.stop()
     return logprobs, srv
+
+
+@pytest.fixture(scope="module")
+def served_fp8(servers, model, prompt) -> tuple[list[float], Server]:
+    srv = servers.start(model, [*ARGS, "--kv-cache-dtype", "fp8_e4m3"], env=ENV)
+    logprobs = teacher_forced_logprobs(srv, [prompt[:FP8_TOKENS]])[0]
+    greedy_from_ids(srv, [prompt[:FP8_TOKENS]], DECODE_TOKENS)
+    srv.stop()
+    return logprobs, srv
+
+
+def _skip_counts(srv: Server) -> tuple[int, int, int]:
+    lines = SKIP_LINE.findall(srv.log_text())
+    assert lines, "the sparse path logged no block counts"
+    return tuple(map(int, lines[-1]))
 
 
 def test_logprobs_match_reference(served, model, prompt, report):
@@ -71,8 +129,100 @@ def test_logprobs_match_reference(served, model, prompt, report):
 def test_sparse_layers_skip_blocks(served, model, report):
     cfg = M3Reference.load(model).sparse
     assert PROMPT_TOKENS > (cfg.topk_blocks + cfg.local_blocks) * 128
-    lines = SKIP_LINE.findall(served[1].log_text())
-    assert lines, "the sparse path logged no block counts"
-    attended, visible, skipped = map(int, lines[-1])
+    log = served[1].log_text()
+    assert "MiniMaxHybridAttnBackend wrapper is not used" in log  # patches/m3_atom_unwrapped
+    assert "[MiniMaxSparse] Backend initialized" not in log
+    attended, visible, skipped = _skip_counts(served[1])
     report(f"m3 sparse layers: {attended} of {visible} visible blocks attended, {skipped} skipped")
     assert skipped > 0 and attended + skipped == visible
+
+
+def _abs_err(got: list[float], ref: torch.Tensor) -> torch.Tensor:
+    return (torch.tensor(got, dtype=torch.float64) - ref[: len(got)]).abs()
+
+
+def test_fp8_kv_logprobs_match_reference(served_fp8, served, model, prompt, report):
+    ref = M3Reference.load(model).logprobs(torch.tensor(prompt[:FP8_TOKENS]))
+    err = _abs_err(served_fp8[0], ref)
+    vs_bf16 = _abs_err(served_fp8[0], torch.tensor(served[0], dtype=torch.float64))
+    bulk = (err <= FP8_TOL_BULK).double().mean().item()
+    report(
+        f"m3 fp8 KV server vs float64 reference ({FP8_TOKENS} tokens): max |dlogp| "
+        f"{err.max():.4f}, mean {err.mean():.4f}, within {FP8_TOL_BULK}: {bulk:.1%}; "
+        f"vs bf16 server: max {vs_bf16.max():.4f}, mean {vs_bf16.mean():.4f}"
+    )
+    assert err.mean() <= FP8_TOL_MEAN, f"mean |dlogp| {err.mean():.4f}"
+    assert bulk >= FP8_BULK_FRACTION, f"only {bulk:.1%} of positions within {FP8_TOL_BULK}"
+    assert err.max() <= FP8_TOL_MAX, f"max |dlogp| {err.max():.4f} at {int(err.argmax())}"
+    assert vs_bf16.max() <= FP8_VS_BF16_MAX, f"fp8 vs bf16 max |dlogp| {vs_bf16.max():.4f}"
+
+
+def test_fp8_kv_sparse_layers_skip_blocks(served_fp8, report):
+    log = served_fp8[1].log_text()
+    assert re.search(r"sparse index cache: .* float8_e4m3fn", log), "index keys are not fp8"
+    attended, visible, skipped = _skip_counts(served_fp8[1])
+    report(f"m3 fp8 KV: {attended} of {visible} visible blocks attended, {skipped} skipped")
+    assert skipped > 0 and attended + skipped == visible
+
+
+@pytest.fixture(scope="module")
+def covering_vs_dense(servers, model, prompt) -> dict[str, tuple[list[float], list[int], str]]:
+    """Teacher-forced log-probs, greedy tokens and server log of the top-k-covers-all copy and
+    of the all-dense copy (same weights)."""
+    layers = M3Reference.load(model).cfg["num_hidden_layers"]
+    copies = {
+        "sparse": _variant(model, f"topk{COVER_TOPK}", {"sparse_topk_blocks": COVER_TOPK}),
+        "dense": _variant(
+            model,
+            "dense",
+            {"sparse_attention_freq": [0] * layers, "sparse_disable_index_value": [0] * layers},
+        ),
+    }
+    ids = prompt[:COVER_TOKENS]
+    out = {}
+    for name, path in copies.items():
+        srv = servers.start(path, ARGS, env=ENV, name=f"m3-{name}")
+        logprobs = teacher_forced_logprobs(srv, [ids])[0]
+        tokens = greedy_from_ids(srv, [ids], COVER_NEW)[0]  # prefix from the radix cache
+        srv.stop()
+        out[name] = (logprobs, tokens, srv.log_text())
+    return out
+
+
+def _reference_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of the float64 dense reference and the top-2 logit gap at each step."""
+    ref, seq, gaps = M3Reference.load(model), list(ids), []
+    for _ in range(steps):
+        top = ref.forward(torch.tensor(seq), dense=True)[-1].topk(2)
+        gaps.append(float(top.values[0] - top.values[1]))
+        seq.append(int(top.indices[0]))
+    return seq[len(ids) :], gaps
+
+
+def test_topk_covering_every_block_equals_dense(covering_vs_dense, model, prompt, report):
+    assert -(-(COVER_TOKENS + COVER_NEW) // 128) <= COVER_TOPK
+    expected, gaps = _reference_greedy(model, prompt[:COVER_TOKENS], COVER_NEW)
+    assert min(gaps) >= COVER_MARGIN, f"reference near-tie (top-2 gaps {gaps}): change the prompt"
+    sp_lp, sparse, sparse_log = covering_vs_dense["sparse"]
+    de_lp, dense, dense_log = covering_vs_dense["dense"]
+    assert "sparse index cache: 3 layers" in sparse_log, "the sparse copy ran no sparse layer"
+    assert "layers [1, 2, 3] attend dense" in dense_log, "the dense copy still ran sparse layers"
+    err = _abs_err(sp_lp, torch.tensor(de_lp, dtype=torch.float64))
+    report(
+        f"m3 topk {COVER_TOPK} vs all-dense ({COVER_TOKENS} tokens): teacher-forced max |dlogp| "
+        f"{err.max():.4f}, mean {err.mean():.4f}; greedy sparse {sparse}, dense {dense}, "
+        f"float64 {expected} (smallest top-2 gap {min(gaps):.3f})"
+    )
+    assert sparse == dense
+    assert err.mean() <= COVER_TOL_MEAN and err.max() <= COVER_TOL_MAX
+
+
+def test_unservable_sparse_config_stops_the_server_at_load(servers, model):
+    bad = _variant(model, "unservable", UNSERVABLE["sparse"], head_dim=UNSERVABLE["head_dim"])
+    with pytest.raises(ServerStartError):
+        servers.start(bad, ARGS, env=ENV, name="m3-unservable")
+    srv = servers.started[-1]
+    log = srv.log_text()
+    assert "SparseConfigError" in log
+    missing = [needle for needle in UNSERVABLE_NAMED if needle not in log]
+    assert not missing, f"not named in the server log: {missing}\n{srv.log_tail()}"

@@ -48,6 +48,19 @@ def test_unservable_sparse_configs_are_named(over, head_dim, needle):
         SparseConfig.from_hf(_hf(**over), KV_HEADS, head_dim)
 
 
+def test_every_unservable_field_is_named_at_once():
+    bad = _hf(sparse_block_size=64, sparse_num_index_heads=1, sparse_score_type="lse")
+    with pytest.raises(SparseConfigError, match="^4 unsupported fields: ") as err:
+        SparseConfig.from_hf(bad, KV_HEADS, 64)
+    fields = [p.split("=", 1)[0] for p in str(err.value).split(": ", 1)[1].split(" | ")]
+    assert fields == [
+        "sparse_attention_config.sparse_block_size",
+        "sparse_attention_config.sparse_num_index_heads",
+        "head_dim",
+        "sparse_attention_config.sparse_score_type",
+    ]
+
+
 def test_token_counts_become_blocks():
     hf = _hf(sparse_init_block=None, sparse_local_block=None)
     hf["sparse_attention_config"].update(sparse_init_tokens=128, sparse_local_tokens=200)
