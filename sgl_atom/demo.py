@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .cpu_mode import cache_dir, cpu_mode_enabled
-from .testing import DSPARK_DISTILLED, tiny
+from .testing import DSPARK_CHAIN, tiny
 from .testing.server import Server
 
 PROMPTS = ["The capital of france is", "One two three four", "Hello world, the"]
@@ -79,7 +79,7 @@ DSPARK_ARGS = [
     "--speculative-algorithm",
     "ATOM_DSPARK",
     "--speculative-draft-model-path",
-    str(DSPARK_DISTILLED),
+    str(DSPARK_CHAIN),
     "--spec-decode-kv-cache-dtype",
     "fp8",
 ]
@@ -89,20 +89,25 @@ DSPARK_ENV = {
     "SGL_ATOM_CPU_KERNELS": "reference",
 }
 
-MODES: dict[str, tuple[list[str], dict[str, str]]] = {
-    "plain": ([], {}),
+# mode -> (launch args, env, tiny target kind: None for --model-path / the tiny llama)
+MODES: dict[str, tuple[list[str], dict[str, str], str | None]] = {
+    "plain": ([], {}, None),
     "atom-fp8": (
         ["--dtype", "bfloat16", "--attention-backend", "atom", "--kv-cache-dtype", "fp8_e4m3",
          "--page-size", "16"],
         {},
+        None,
     ),
-    "dspark": (DSPARK_ARGS, DSPARK_ENV),
+    # the draft was distilled against the llama-chain target, so this mode serves that one
+    "dspark": (DSPARK_ARGS, DSPARK_ENV, "llama-chain"),
 }
 LOG_MARKS = ("atom attention:", "fp8 KV scales", "ATOM_DSPARK draft", "DSpark k=")
 
 
 def run_mode(model: Path, mode: str, extra: list[str], max_new: int) -> None:
-    mode_args, env = MODES[mode]
+    mode_args, env, kind = MODES[mode]
+    if kind is not None:
+        model = tiny.build(cache_dir() / "tiny" / kind, kind)
     args = ["--max-total-tokens", "4096", *mode_args, *extra]
     print(f"== [{mode}] launch_server {' '.join(mode_args) or '(SGLang defaults)'}")
     t0 = time.time()

@@ -81,11 +81,11 @@ SGL_ATOM_CPU_KERNELS = EnvVar(
     "'reference' runs their torch references (same contracts, float64; much faster), for "
     "servers whose kernels are not what is under test.",
 )
-SGL_ATOM_DSPARK_TAP_SHIFT = EnvVar(
-    "SGL_ATOM_DSPARK_TAP_SHIFT",
-    0,
-    "ATOM_DSPARK, fault-injection tests only: tap target layers shifted by this many layers "
-    "(a corrupted context K/V path; 0: off).",
+SGL_ATOM_DSPARK_FAULT = EnvVar(
+    "SGL_ATOM_DSPARK_FAULT",
+    "",
+    "ATOM_DSPARK, fault-injection tests only: 'taps-early' taps each target layer one below the "
+    "draft's; 'stale-context' writes no context K/V for decoded tokens (empty: off).",
 )
 SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
     "SGL_ATOM_PD_TRANSFER_TIMEOUT",
@@ -109,7 +109,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_FP8_SCALE,
     SGL_ATOM_LOG_LEVEL,
     SGL_ATOM_CPU_KERNELS,
-    SGL_ATOM_DSPARK_TAP_SHIFT,
+    SGL_ATOM_DSPARK_FAULT,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
 )

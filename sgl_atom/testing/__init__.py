@@ -2,5 +2,8 @@
 
 from pathlib import Path
 
-# The DSpark draft distilled against the tiny llama target (see its distill.json).
-DSPARK_DISTILLED = Path(__file__).parent / "assets" / "dspark-llama-distilled"
+ASSETS = Path(__file__).parent / "assets"
+# The DSpark draft distilled against the random tiny llama target (see its distill.json).
+DSPARK_DISTILLED = ASSETS / "dspark-llama-distilled"
+# The DSpark draft distilled against the llama-chain target (tiny kind "llama-chain").
+DSPARK_CHAIN = ASSETS / "dspark-llama-chain"

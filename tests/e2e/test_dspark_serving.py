@@ -15,14 +15,15 @@ import urllib.request
 import pytest
 from e2e_utils import word_prompts
 
+from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.spec.dspark.algorithm import NAME
-from sgl_atom.testing import DSPARK_DISTILLED
+from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.server import Server, ServerStartError
 
 PROMPTS = word_prompts(16, seed=7, min_words=4, max_words=24)
 MAX_NEW = 48
 ATOM = ["--attention-backend", "atom", "--chunked-prefill-size", "32"]
-SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_DISTILLED)]
+SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_CHAIN)]
 FAST = {"SGL_ATOM_CPU_KERNELS": "reference"}
 MODELS_ENV = {**FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
 # bf16 through SGLang's own flag, fp8 through the ATOM spelling
@@ -42,24 +43,35 @@ def _run(srv) -> tuple[list[list[int]], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(servers, tiny_llama):
-    srv = servers.start(tiny_llama, ATOM, env=FAST, name="atom-plain")
+def chain_target():
+    """The tiny llama trained on a word chain, with the draft distilled against it."""
+    return tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
+
+
+@pytest.fixture(scope="module")
+def baseline(servers, chain_target):
+    srv = servers.start(chain_target, ATOM, env=FAST, name="atom-plain")
     ids, _ = _run(srv)
     srv.stop()
     return ids
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
-def spec_run(request, servers, tiny_llama, baseline):
+def spec_run(request, servers, chain_target, baseline):
     dtype = request.param
     args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics"]
-    srv = servers.start(tiny_llama, args, env=MODELS_ENV, name=f"dspark-{dtype}")
+    srv = servers.start(chain_target, args, env=MODELS_ENV, name=f"dspark-{dtype}")
+    before = _metrics(srv)
     ids, tpf = _run(srv)
-    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-        metrics = r.read().decode()
+    after = _metrics(srv)
     log = srv.log_text()
     srv.stop()
-    return dtype, ids, tpf, log + metrics
+    return dtype, ids, tpf, {"log": log, "metrics": (before, after)}
+
+
+def _metrics(srv) -> str:
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        return r.read().decode()
 
 
 def _tpf(tpf: list[float]) -> float:
@@ -76,15 +88,16 @@ def test_lossless(spec_run, baseline, report):
 
 
 def test_acceptance_logged_and_counted(spec_run):
-    _, ids, tpf, log = spec_run
+    _, ids, tpf, out = spec_run
+    log = out["log"]
     assert all(len(i) == MAX_NEW for i in ids)
     assert "DSpark k=4: steps" in log, "the worker logs acceptance every 32 verify steps"
-    assert _tpf(tpf) > 1.0, "the distilled draft accepts something"
+    assert _tpf(tpf) >= 2.0, "the distilled draft reaches 2 tokens per target forward at k=4"
 
 
 def test_draft_pool_dtype(spec_run, report):
-    dtype, _, _, log = spec_run
-    m = POOL_LINE.search(log)
+    dtype, _, _, out = spec_run
+    m = POOL_LINE.search(out["log"])
     assert m, "the worker logs its draft pool"
     settled, _slots, per_token = m.group(1), int(m.group(2)), int(m.group(3))
     assert settled == dtype
@@ -94,11 +107,47 @@ def test_draft_pool_dtype(spec_run, report):
     assert per_token == expected
 
 
-def test_metrics_report_acceptance(spec_run):
-    *_, text = spec_run
-    m = re.search(r"^sglang:spec_accept_length\{[^}]*\} ([0-9.]+)", text, re.M)
-    assert m, "SGLang's spec_accept_length metric is exported"
-    assert float(m.group(1)) >= 1.0
+@pytest.fixture(scope="module")
+def stale_run(servers, chain_target):
+    """The same draft when decoded tokens' context K/V is never written."""
+    env = {**MODELS_ENV, "SGL_ATOM_DSPARK_FAULT": "stale-context"}
+    srv = servers.start(chain_target, [*ATOM, *SPEC], env=env, name="dspark-stale")
+    ids, tpf = _run(srv)
+    log = srv.log_text()
+    srv.stop()
+    return ids, tpf, log
+
+
+def test_broken_context_write_collapses_acceptance(stale_run, spec_run, baseline, report):
+    ids, tpf, log = stale_run
+    _, _, good_tpf, _ = spec_run
+    assert "stale-context: decoded tokens get no draft context" in log
+    good, bad = _tpf(good_tpf) - 1, _tpf(tpf) - 1  # accepted drafts per verify
+    report(f"ATOM_DSPARK without the decode-time context write: tokens/forward {_tpf(tpf):.2f} "
+           f"vs {_tpf(good_tpf):.2f}")
+    assert bad < 0.5 * good, "a broken context path must show in acceptance"
+    assert ids == baseline, "verification keeps the output exact even with a bad draft"
+
+
+def _counter(text: str, name: str) -> float:
+    rows = re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
+    assert rows, f"{name} is exported"
+    return sum(float(v) for v in rows)
+
+
+def test_metrics_report_tokens_per_forward(spec_run, report):
+    dtype, ids, tpf, out = spec_run
+    before, after = out["metrics"]
+
+    def delta(name: str) -> float:
+        return _counter(after, name) - (_counter(before, name) if name in before else 0.0)
+
+    generated = delta("sglang:generation_tokens_total")
+    verifies = delta("sglang:spec_verify_calls_total")
+    report(f"ATOM_DSPARK {dtype} Prometheus: {generated:.0f} generated tokens / {verifies:.0f} "
+           f"verify calls = {generated / verifies:.2f} tokens per forward")
+    assert generated == sum(len(i) for i in ids)
+    assert verifies == pytest.approx(sum(len(i) / t for i, t in zip(ids, tpf, strict=True)))
 
 
 @pytest.mark.parametrize(
@@ -111,8 +160,8 @@ def test_metrics_report_acceptance(spec_run):
     ],
     ids=["no-draft", "window-mismatch", "no-model-package"],
 )
-def test_refused_at_startup(tiny_llama, args, env, message):
-    srv = Server(tiny_llama, ["--attention-backend", "atom", *args], env=env, name="refused")
+def test_refused_at_startup(chain_target, args, env, message):
+    srv = Server(chain_target, ["--attention-backend", "atom", *args], env=env, name="refused")
     try:
         with pytest.raises(ServerStartError, match=re.escape(message)):
             srv.start(timeout=240)

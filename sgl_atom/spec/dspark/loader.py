@@ -76,13 +76,11 @@ def load_draft(path: str | None, target: torch.nn.Module, device) -> torch.nn.Mo
         num_layers=num_layers, hidden_size=int(tcfg.hidden_size), vocab_size=int(tcfg.vocab_size)
     )
     taps = model.dspark.target_layer_ids
-    shift = envs.SGL_ATOM_DSPARK_TAP_SHIFT.get()
-    if shift:
-        taps = tuple(i + shift for i in taps)
+    if envs.SGL_ATOM_DSPARK_FAULT.get() == "taps-early":
+        taps = tuple(i - 1 for i in taps)
         logger.warning(
-            "%s=%d: tapping target layers %s instead of the draft's %s (fault injection)",
-            envs.SGL_ATOM_DSPARK_TAP_SHIFT.name,
-            shift,
+            "%s=taps-early: tapping target layers %s instead of the draft's %s",
+            envs.SGL_ATOM_DSPARK_FAULT.name,
             list(taps),
             list(model.dspark.target_layer_ids),
         )

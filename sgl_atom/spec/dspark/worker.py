@@ -29,6 +29,8 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
+from ... import envs
+from ...disagg.draft_registry import register_draft_pool
 from ...log import get_logger
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
@@ -72,6 +74,10 @@ class AtomDSparkWorker(NGRAMWorker):
         self.total = SpecStats(cfg.block_size)
         self.pool: DraftKVPool | None = None
         self.propose_enabled = True
+        self.stale_context = envs.SGL_ATOM_DSPARK_FAULT.get() == "stale-context"
+        if self.stale_context:
+            name = envs.SGL_ATOM_DSPARK_FAULT.name
+            logger.warning("%s=stale-context: decoded tokens get no draft context", name)
 
     # ------------------------------------------------------------------ pools
 
@@ -91,6 +97,7 @@ class AtomDSparkWorker(NGRAMWorker):
             device=self.device,
             compute_dtype=self.draft.w["fc.weight"].dtype,
         )
+        register_draft_pool(self.pool)  # the atom P/D backend moves it with the target's KV
         at_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
         logger.info(
             "ATOM_DSPARK draft KV pool: %s (%s), %d slots x %d layers, %d B/token (at bf16: %d "
@@ -132,6 +139,8 @@ class AtomDSparkWorker(NGRAMWorker):
     def _write_verify_context(
         self, batch: ScheduleBatch, taps: torch.Tensor, accept_index: torch.Tensor, accept_lens
     ) -> None:
+        if self.stale_context:
+            return
         n = self.draft_token_num
         cols = torch.arange(n, device=self.device)[None, :]
         keep = cols < accept_lens[:, None]
