@@ -48,6 +48,7 @@ from sglang.srt.server_args import ServerArgs
 
 from sgl_atom import envs
 from sgl_atom.disagg import wire
+from sgl_atom.disagg.draft_registry import draft_pool
 from sgl_atom.disagg.engine import NixlEngine, TransferError
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
@@ -156,7 +157,8 @@ class AtomKVManager(CommonKVManager):
         ]
         self.engine.register_addresses({f"aux{i}": (p, n) for i, (p, n, _) in enumerate(self.aux)})
         logger.info(
-            "atom P/D %s rank tp %d/%d pp %d/%d: %d regions (layers %d..%d), %d metadata buffers",
+            "atom P/D %s rank tp %d/%d pp %d/%d: %d regions (layers %d..%d), %d of them draft, "
+            "%d metadata buffers",
             disaggregation_mode.value,
             self.attn_tp_rank,
             self.attn_tp_size,
@@ -165,6 +167,7 @@ class AtomKVManager(CommonKVManager):
             len(self.export.regions),
             self.export.stage_layers[0],
             self.export.stage_layers[1] - 1,
+            sum(r.kind.appended for r in self.export.regions),
             len(self.aux),
         )
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -176,9 +179,10 @@ class AtomKVManager(CommonKVManager):
     def _describe_pool(self, args: KVArgs) -> PoolExport:
         if getattr(args, "num_draft_entries", 0):
             raise RegionError(
-                "the atom transfer backend does not move a speculative draft's KV pool yet; "
-                "serve this P/D pair without a draft (or with --disaggregation-transfer-backend "
-                "mooncake/nixl)"
+                "the atom transfer backend does not move a draft KV pool SGLang manages (EAGLE-"
+                "style draft runners); it moves drafts that register their own pool "
+                "(ATOM_DSPARK). Serve this P/D pair with --disaggregation-transfer-backend "
+                "mooncake/nixl"
             )
         pool = pool_for(args.kv_data_ptrs[0]) if args.kv_data_ptrs else None
         if pool is None:
@@ -191,6 +195,7 @@ class AtomKVManager(CommonKVManager):
             tp_rank=self.attn_tp_rank,
             tp_size=self.attn_tp_size,
             total_kv_heads=self._total_kv_heads(args),
+            draft_pool=draft_pool(),
         )
         ours = [t.data_ptr() for t in export.tensors if t.data_ptr() in set(args.kv_data_ptrs)]
         if sorted(ours) != sorted(args.kv_data_ptrs):

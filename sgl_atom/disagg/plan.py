@@ -260,6 +260,9 @@ def _pair_appended(producer, consumer, holds_draft):
                 "the draft (the last PP stage) may"
             )
         return pairs, problems
+    dtype_problems = _appended_dtype_problems(producer, consumer)
+    if dtype_problems:  # the positions would not line up either; the dtype is the cause
+        return pairs, dtype_problems
     for k, pi in enumerate(app_p):
         ref = k - n_p
         ci, r = len(consumer) + ref, producer[pi]
@@ -282,6 +285,17 @@ def _pair_appended(producer, consumer, holds_draft):
             f"it (producer {n_p} draft regions, consumer {n_c})"
         )
     return pairs, problems
+
+
+def _appended_dtype_problems(producer, consumer):
+    """Draft regions both sides list under one name but at different dtypes (an fp8 draft pool
+    against a bf16 one also differs in its scale regions, which shifts every position)."""
+    theirs = {r.key: r for r in consumer if r.kind.appended}
+    return [
+        f"{r.name}: dtype producer {r.dtype}, consumer {theirs[r.key].dtype}"
+        for r in producer
+        if r.kind.appended and r.key in theirs and theirs[r.key].dtype != r.dtype
+    ]
 
 
 def _compat_problems(p: RegionDesc, p_tp: int, c: RegionDesc, c_tp: int) -> list[str]:

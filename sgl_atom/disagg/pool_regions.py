@@ -7,9 +7,12 @@ one run per token), and, where the atom attention backend keeps fp8 scales besid
 Layers are numbered globally (``pool.start_layer`` on a pipeline stage), so a stage and a
 decode rank holding every layer agree.
 
-A draft pool appends its regions after these (kinds ``draft_*``, numbered from the end by the
-planner); :func:`describe_pool` takes ``draft_pool`` for that and refuses it until the draft's
-transfer is wired.
+A speculative draft's own KV pool (``draft_pool``: per draft layer lists ``k``, ``v`` of rows
+``[slots, kv_heads, head_dim]`` indexed by the target's slot ids, plus ``k_scale``/``v_scale``
+``[slots, kv_heads]`` when it is fp8) appends its regions after these: per draft layer
+``draft_k``, ``draft_v`` and, for an fp8 draft, ``draft_k_scale``, ``draft_v_scale``, numbered
+inside the draft and paired from the end of the list by the planner. The draft is whole on
+every rank, so it is exported at TP1 only.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import torch
 
 from sgl_atom.disagg.regions import (
     FP8_DTYPES,
+    SCALE_DTYPE,
     RegionDesc,
     RegionError,
+    RegionKind,
     build_rank_regions,
     canonical_dtype,
     heads_of_rank,
@@ -57,12 +62,8 @@ def describe_pool(
     total_kv_heads: int,
     draft_pool: Any | None = None,
 ) -> PoolExport:
-    """The regions of ``pool`` (an MHA token pool) on TP rank ``tp_rank`` of ``tp_size``."""
-    if draft_pool is not None:
-        raise RegionError(
-            "the atom transfer backend does not move a draft KV pool yet; serve the P/D pair "
-            "without a speculative draft (its regions are appended after the target's once wired)"
-        )
+    """The regions of ``pool`` (an MHA token pool) on TP rank ``tp_rank`` of ``tp_size``, then
+    those of ``draft_pool`` when given."""
     k_bufs, v_bufs = (
         list(getattr(pool, "k_buffer", None) or []),
         list(getattr(pool, "v_buffer", None) or []),
@@ -95,9 +96,68 @@ def describe_pool(
         tensors += [k_bufs[i], v_bufs[i]]
         if per_layer == 4:
             tensors += [scales.k[i], scales.v[i]]
+    if draft_pool is not None:
+        d_regions, d_tensors = describe_draft_pool(
+            draft_pool, tp_size=tp_size, page_size=int(pool.page_size), min_slots=len(k_bufs[0])
+        )
+        regions += d_regions
+        tensors += d_tensors
     if len(tensors) != len(regions):
         raise RegionError(f"{len(regions)} regions described for {len(tensors)} buffers")
     return PoolExport(tuple(regions), tuple(tensors), (layers.start, layers.stop))
+
+
+def describe_draft_pool(
+    draft: Any, *, tp_size: int, page_size: int, min_slots: int
+) -> tuple[list[RegionDesc], list[torch.Tensor]]:
+    """The draft pool's regions (appended kinds, draft layers 0..n-1) and their buffers."""
+    name = type(draft).__name__
+    ks, vs = list(getattr(draft, "k", None) or []), list(getattr(draft, "v", None) or [])
+    k_sc, v_sc = list(getattr(draft, "k_scale", ())), list(getattr(draft, "v_scale", ()))
+    if not ks or len(ks) != len(vs):
+        raise RegionError(f"draft pool {name}: expected one K and one V buffer per draft layer")
+    if tp_size != 1:
+        raise RegionError(
+            f"draft pool {name}: the atom transfer backend moves a speculative draft's KV at "
+            f"TP1 only (the draft is whole on every rank); this rank is one of TP{tp_size}"
+        )
+    dtype = canonical_dtype(str(ks[0].dtype))
+    fp8 = dtype in FP8_DTYPES
+    if fp8 and (len(k_sc) != len(ks) or len(v_sc) != len(ks)):
+        raise RegionError(
+            f"draft pool {name}: an {dtype} draft needs a K and a V scale buffer per draft layer, "
+            f"got {len(k_sc)} and {len(v_sc)} for {len(ks)} layers"
+        )
+    heads, head_dim = int(ks[0].shape[1]), int(ks[0].shape[-1])
+    regions: list[RegionDesc] = []
+    tensors: list[torch.Tensor] = []
+    for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        layer = [("draft_k", k, dtype, head_dim), ("draft_v", v, dtype, head_dim)]
+        if fp8:
+            layer += [
+                ("draft_k_scale", k_sc[i], SCALE_DTYPE, 1),
+                ("draft_v_scale", v_sc[i], SCALE_DTYPE, 1),
+            ]
+        for kind, t, dt, unit in layer:
+            scale = kind.endswith("_scale")
+            rows_ok = t.dim() == (2 if scale else 3)
+            if (
+                not rows_ok
+                or int(t.shape[1]) != heads
+                or int(t.shape[0]) < min_slots
+                or not t.is_contiguous()
+                or canonical_dtype(str(t.dtype)) != dt
+            ):
+                raise RegionError(
+                    f"draft pool {name} {kind} draft layer {i}: expected contiguous {dt} rows "
+                    f"[>= {min_slots} slots, {heads} heads{'' if scale else ', head_dim'}], "
+                    f"got {t.dtype} {tuple(t.shape)} (contiguous={t.is_contiguous()})"
+                )
+            regions.append(
+                RegionDesc(RegionKind(kind), i, dt, unit, heads, heads, tokens_per_page=page_size)
+            )
+            tensors.append(t)
+    return regions, tensors
 
 
 def _check_buffers(pool: Any, k_bufs: list, v_bufs: list, per: int) -> None:

@@ -33,8 +33,20 @@ def _pool(layers=4, slots=33, heads=2, head_dim=64, dtype=torch.float16, start=0
     )
 
 
-def _consumer(pool, *, tp_rank=0, tp_size=1, total=2, aux=((0, 64, 8),)) -> wire.Handshake:
-    export = describe_pool(pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total)
+def _draft(dtype: str, layers=2, slots=33, heads=2, head_dim=64):
+    from sgl_atom.spec.dspark.pool import DraftKVPool
+
+    return DraftKVPool(
+        slots=slots, layers=layers, kv_heads=heads, head_dim=head_dim, dtype=dtype, device="cpu"
+    )
+
+
+def _consumer(
+    pool, *, tp_rank=0, tp_size=1, total=2, aux=((0, 64, 8),), draft=None
+) -> wire.Handshake:
+    export = describe_pool(
+        pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total, draft_pool=draft
+    )
     spans = export.spans()
     return wire.Handshake(
         role="consumer",
@@ -147,13 +159,61 @@ def test_describe_pool_adds_fp8_scales_hung_off_the_pool():
     [
         (_pool(heads=2), dict(tp_rank=0, tp_size=2, total_kv_heads=2), "expected contiguous"),
         (_Pool(page_size=1), dict(tp_rank=0, tp_size=1, total_kv_heads=2), "this pool has none"),
-        (_pool(), dict(tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=object()), "draft"),
+        (
+            _pool(),
+            dict(tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=object()),
+            "draft pool object: expected one K and one V buffer per draft layer",
+        ),
+        (
+            _pool(heads=1),
+            dict(tp_rank=0, tp_size=2, total_kv_heads=2, draft_pool=_draft("fp8")),
+            "at TP1 only",
+        ),
     ],
-    ids=["heads-per-rank", "not-mha", "draft-pool"],
+    ids=["heads-per-rank", "not-mha", "not-a-draft-pool", "draft-at-tp2"],
 )
 def test_describe_pool_refuses_what_it_cannot_move(pool, kw, match):
     with pytest.raises(RegionError, match=match):
         describe_pool(pool, **kw)
+
+
+def test_describe_pool_appends_an_fp8_draft_pool_with_its_scales():
+    pool, draft = _pool(layers=2, page=4, slots=36), _draft("fp8", slots=36)
+    export = describe_pool(pool, tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=draft)
+    assert len(export.regions) == len(export.tensors) == 4 + 2 * 4
+    tail = [(r.kind, r.global_layer, r.dtype) for r in export.regions[4:8]]
+    assert tail == [
+        (RegionKind.DRAFT_K, 0, "float8_e4m3fn"),
+        (RegionKind.DRAFT_V, 0, "float8_e4m3fn"),
+        (RegionKind.DRAFT_K_SCALE, 0, "float32"),
+        (RegionKind.DRAFT_V_SCALE, 0, "float32"),
+    ]
+    assert export.tensors[4] is draft.k[0] and export.tensors[7] is draft.v_scale[0]
+    assert export.tensors[11] is draft.v_scale[1]
+    r = export.regions[4]
+    assert (r.head_dim, r.heads_per_rank, r.total_heads, r.tokens_per_page) == (64, 2, 2, 4)
+    assert export.regions[6].unit_bytes == 4
+    assert export.stage_layers == (0, 2)
+
+
+def test_describe_pool_appends_a_bf16_draft_pool_without_scales():
+    draft = _draft("bf16")
+    export = describe_pool(_pool(), tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=draft)
+    kinds = [r.kind for r in export.regions[8:]]
+    assert kinds == [RegionKind.DRAFT_K, RegionKind.DRAFT_V] * 2
+    assert {r.dtype for r in export.regions[8:]} == {"bfloat16"}
+
+
+def test_draft_registry_hands_the_pool_to_the_backend():
+    from sgl_atom.disagg import draft_registry
+
+    draft = _draft("bf16")
+    try:
+        draft_registry.register_draft_pool(draft)
+        assert draft_registry.draft_pool() is draft
+    finally:
+        draft_registry.clear_draft_pool()
+    assert draft_registry.draft_pool() is None
 
 
 # ---------------------------------------------------------------- peer checks
@@ -195,6 +255,38 @@ def test_plan_for_peer_refuses_other_metadata_rows():
     plan_for_peer(_producer(_pool()), 0, 1, False, [(0, 64, 8)], hs)
 
 
+def test_plan_for_peer_moves_a_matching_draft_pool_with_the_target():
+    from sgl_atom.disagg.conn import plan_for_peer
+
+    producer = describe_pool(
+        _pool(), tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=_draft("fp8")
+    )
+    hs = _consumer(_pool(), draft=_draft("fp8"))
+    plan = plan_for_peer(producer, 0, 1, True, [(0, 64, 8)], hs)
+    assert len(plan.pairs) == 8 + 8
+    draft_pairs = [p for p in plan.pairs if p.name.startswith("draft_")]
+    assert [p.consumer_index for p in draft_pairs] == list(range(8, 16))
+    assert {p.mode for p in draft_pairs} == {"whole"}
+
+
+def test_plan_for_peer_refuses_a_draft_dtype_mismatch_naming_region_and_values():
+    from sgl_atom.disagg.conn import plan_for_peer
+
+    producer = describe_pool(
+        _pool(), tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=_draft("fp8")
+    )
+    for consumer_draft in (_draft("bf16"), None):
+        hs = _consumer(_pool(), draft=consumer_draft)
+        with pytest.raises(HandshakeError) as e:
+            plan_for_peer(producer, 0, 1, True, [(0, 64, 8)], hs)
+        text = str(e.value)
+        assert "nothing was written" in text
+        if consumer_draft is not None:
+            assert "draft_k draft layer 0: dtype producer float8_e4m3fn, consumer bfloat16" in text
+        else:
+            assert "draft_k draft layer 0: producer's draft region" in text, text
+
+
 def test_handshake_with_backend_fields_round_trips():
     hs = _consumer(_pool(layers=1))
     assert wire.decode(wire.encode(hs)) == hs
@@ -202,3 +294,23 @@ def test_handshake_with_backend_fields_round_trips():
     assert wire.decode(wire.encode(req)) == req
     with pytest.raises(wire.WireError, match="region_bytes for"):
         wire.encode(wire.Handshake(**{**hs.__dict__, "region_bytes": (1,)}))
+
+
+def test_dspark_decode_first_step_input_is_what_an_extend_returns(monkeypatch):
+    """A P/D decode server's prebuilt batch gets the worker's after-extend verify input."""
+    import sglang.srt.runtime_context as rc
+
+    from sgl_atom.spec.dspark.algorithm import AtomDSparkAlgo
+
+    monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=5))
+    batch = SimpleNamespace(
+        reqs=[object(), object()],
+        seq_lens=torch.tensor([7, 9]),
+        req_pool_indices=torch.tensor([3, 1]),
+        enable_overlap=False,
+    )
+    algo = AtomDSparkAlgo.__new__(AtomDSparkAlgo)
+    info = algo.build_disagg_draft_input(batch, torch.tensor([11, 22]), future_map=None)
+    assert info.draft_token_num == 5 and info.future_indices is None
+    assert info.accept_tokens.tolist() == [11, 0, 0, 0, 0, 22, 0, 0, 0, 0]
+    assert info.accept_lens.tolist() == [1, 1] and info.new_seq_lens is batch.seq_lens

@@ -301,6 +301,21 @@ def test_dtype_and_head_dim_mismatch_name_both_values():
     assert "target_v layer 1: head_dim producer 2, consumer 4" in msg
 
 
+def test_draft_dtype_mismatch_with_scales_on_one_side_names_the_dtypes():
+    """An fp8 draft (with its scale regions) against a bf16 one: the region counts differ too,
+    but the refusal names the draft regions' dtypes, not the positions that no longer meet."""
+    fp8 = _rank(dtype="fp8", fp8_scales=True, draft_layers=2, draft_dtype="fp8")
+    bf16 = _rank(dtype="fp8", fp8_scales=True, draft_layers=2, draft_dtype="bf16")
+    for prod, cons, pv, cv in (
+        (fp8, bf16, "float8_e4m3fn", "bfloat16"),
+        (bf16, fp8, "bfloat16", "float8_e4m3fn"),
+    ):
+        msg = _refusal(prod, 0, 1, cons, 0, 1)
+        for name in ("draft_k draft layer 0", "draft_v draft layer 1"):
+            assert f"{name}: dtype producer {pv}, consumer {cv}" in msg, msg
+        assert "from the end" not in msg and "lands on" not in msg, msg
+
+
 def test_every_problem_is_reported_at_once():
     cons = _rank(1, 2, head_dim=4, draft_layers=1, draft_dtype="fp8", runs_per_page=2)
     err = pytest.raises(HandshakeError, plan_transfer, _rank(draft_layers=1), 0, 1, cons, 1, 2)

@@ -56,6 +56,31 @@ class AtomDSparkAlgo(CustomSpecAlgo):
             device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
         )
 
+    def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
+        """A P/D decode server's first step: what the worker returns after an extend (the
+        prefill's token as the only accepted one); the draft's context came with the KV."""
+        import torch
+        from sglang.srt.managers.overlap_utils import RelayPayload
+        from sglang.srt.runtime_context import get_spec
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        n = int(get_spec().speculative_num_draft_tokens)
+        bs = len(batch.reqs)
+        device = last_tokens_tensor.device
+        accept = torch.zeros(bs, n, dtype=torch.int32, device=device)
+        accept[:, 0] = last_tokens_tensor.to(torch.int32)
+        spec_info = NgramVerifyInput(
+            draft_token_num=n,
+            new_seq_lens=batch.seq_lens,
+            accept_tokens=accept.flatten(),
+            accept_lens=torch.ones(bs, dtype=torch.int32, device=device),
+        )
+        if batch.enable_overlap:  # not with this algorithm today; kept for SGLang's relay
+            spec_info.future_indices = batch.req_pool_indices
+            future_map.publish(spec_info.future_indices, batch.seq_lens)
+            future_map.stash(spec_info.future_indices, RelayPayload.from_ngram(spec_info))
+        return spec_info
+
     def handle_server_args(self, server_args) -> None:
         k = _draft_block_size(server_args.speculative_draft_model_path)
         given = server_args.speculative_num_draft_tokens
