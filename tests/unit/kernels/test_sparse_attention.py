@@ -181,12 +181,9 @@ def mode_case(mode, page_size, **kw) -> Case:
     return make_case([12, 300, 390], [12, 5, 20], page_size, **kw)
 
 
-@pytest.mark.parametrize("index", ["fp32", "bf16", "fp8"])
-@pytest.mark.parametrize("page_size", [1, 16, 64, 128], ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("mode", MODES)
-def test_block_scores_match_reference(mode, page_size, index):
-    dtype = torch.bfloat16 if index == "bf16" else torch.float32
-    c = mode_case(mode, page_size, dtype=dtype, index_fp8=index == "fp8", seed=page_size)
+def check_block_scores(c, **tuning) -> None:
+    """Kernel block scores (outputs poisoned first) equal the reference on every visible
+    block; ``tuning`` goes to the launcher."""
     max_blocks = -(-int(c.seq_lens.max()) // 128)
     scores = poisoned((c.iq.shape[0], c.iq.shape[1], max_blocks), torch.float32, c.iq.device)
     sa.block_scores(
@@ -201,6 +198,7 @@ def test_block_scores_match_reference(mode, page_size, index):
         int(c.seq_lens.max()),
         c.iks,
         scores,
+        **tuning,
     )
     ref = sa.reference_block_scores(
         c.iq, c.ik, c.page_table, c.seq_lens, c.indptr, c.page_size, 0.3, c.iks
@@ -208,6 +206,16 @@ def test_block_scores_match_reference(mode, page_size, index):
     vis = visible_mask(c, max_blocks).expand_as(ref)
     assert torch.isfinite(ref[vis]).all()
     assert_close_rel(scores.cpu()[vis], ref[vis], 1e-5, "block scores")
+
+
+@pytest.mark.parametrize("index", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("mode", MODES)
+def test_block_scores_match_reference(mode, page_size, index):
+    dtype = torch.bfloat16 if index == "bf16" else torch.float32
+    check_block_scores(
+        mode_case(mode, page_size, dtype=dtype, index_fp8=index == "fp8", seed=page_size)
+    )
 
 
 @pytest.mark.parametrize("magnitude", [1e-7, 1.0, 1e7], ids=lambda m: f"q{m:g}")
@@ -219,26 +227,7 @@ def test_block_scores_fp8_cache_bf16_q_any_magnitude(mode, magnitude):
     c.iq.mul_(magnitude)
     c.iq[0, 0, :4] = 0.0  # zeros inside a row, and one all-zero row below
     c.iq[-1, -1] = 0.0
-    max_blocks = -(-int(c.seq_lens.max()) // 128)
-    scores = poisoned((c.iq.shape[0], c.iq.shape[1], max_blocks), torch.float32, c.iq.device)
-    sa.block_scores(
-        c.iq,
-        c.ik,
-        c.page_table,
-        c.seq_lens,
-        c.page_size,
-        0.3,
-        c.qo_indptr,
-        c.max_qo_len,
-        index_scale=c.iks,
-        scores=scores,
-        blocks_per_program=2,
-    )
-    ref = sa.reference_block_scores(
-        c.iq, c.ik, c.page_table, c.seq_lens, c.indptr, c.page_size, 0.3, c.iks
-    )
-    vis = visible_mask(c, max_blocks).expand_as(ref)
-    assert_close_rel(scores.cpu()[vis], ref[vis], 1e-5, "block scores")
+    check_block_scores(c, blocks_per_program=2)
 
 
 @pytest.mark.parametrize("nb", [1, 3, 8], ids=lambda n: f"nb{n}")
