@@ -6,7 +6,10 @@ Started in its own process group and stopped by PID (the whole group), like
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.error
+import urllib.request
 
 from .server import ManagedProcess, free_port
 
@@ -26,11 +29,29 @@ def router_command(
 
 
 class Router(ManagedProcess):
-    """One PD router in front of prefill servers (URL, bootstrap port) and decode servers."""
+    """One PD router in front of prefill servers (URL, bootstrap port) and decode servers.
+
+    The router answers ``/health`` before it has registered its workers (registration runs in
+    the background); until then it answers requests with 503 "No prefill workers available".
+    So ``start`` waits for ``/readiness`` and for every given worker to be listed in ``/workers``.
+    """
+
+    health_path = "/readiness"
 
     def __init__(self, prefills: list[tuple[str, int]], decodes: list[str], name: str = "router"):
         port = free_port()
         super().__init__(router_command(prefills, decodes, port, free_port()), None, port, name)
+        self.expected = {"prefill_count": len(prefills), "decode_count": len(decodes)}
+
+    def _healthy(self) -> bool:
+        if not super()._healthy():
+            return False
+        try:
+            with urllib.request.urlopen(self.url + "/workers", timeout=self.health_timeout) as r:
+                stats = json.loads(r.read()).get("stats", {})
+        except (urllib.error.URLError, OSError, TimeoutError, ValueError):
+            return False
+        return all(stats.get(k) == n for k, n in self.expected.items())
 
     def start(self, timeout: float | None = 120.0) -> Router:
         return super().start(timeout)
