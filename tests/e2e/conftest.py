@@ -8,6 +8,7 @@ stopped by PID at teardown, also when the test fails.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from e2e_utils import BASE_ARGS
@@ -33,10 +34,19 @@ class ServerPool:
     def __init__(self):
         self.started: list[Server] = []
 
-    def start(self, model, args=(), **kw) -> Server:
+    def start(self, model, args=(), timeout: float | None = None, **kw) -> Server:
         srv = Server(model, [*BASE_ARGS, *args], **kw)
         self.started.append(srv)
-        return srv.start()
+        return srv.start(timeout)
+
+    def start_many(self, jobs: dict[str, tuple], timeout: float | None = None) -> dict[str, Server]:
+        """Start servers side by side: ``{name: (model, args, env)}`` -> ``{name: Server}``."""
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            futs = {
+                name: ex.submit(self.start, model, args, timeout, env=env, name=name)
+                for name, (model, args, env) in jobs.items()
+            }
+            return {name: f.result() for name, f in futs.items()}
 
     def stop_all(self) -> None:
         for srv in self.started:

@@ -56,12 +56,7 @@ def spd(servers):
         "dspark-decode": (FP8 + DECODE_ARGS, {**PD_ENV, **SPEC_ENV}),
         "dspark-decode-bf16": (BF16 + DECODE_ARGS, {**PD_ENV, **SPEC_ENV}),
     }
-    with ThreadPoolExecutor(len(jobs)) as ex:
-        futs = {
-            name: ex.submit(servers.start, chain, args, env=env, name=name)
-            for name, (args, env) in jobs.items()
-        }
-        started = {name: f.result() for name, f in futs.items()}
+    started = servers.start_many({n: (chain, *job) for n, job in jobs.items()})
     router = Router([(started["dspark-prefill"].url, bp)], [started["dspark-decode"].url])
     try:
         router.start()

@@ -40,12 +40,7 @@ MIN_FIRST_STEP_DROP = 1.0  # the verify drafting from the moved context alone
 MIN_LOOP_DROP = 0.3  # MAX_NEW tokens; later blocks also read the decode side's own rows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------- pools in the run layout

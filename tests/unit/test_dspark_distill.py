@@ -31,12 +31,7 @@ MIN_TRAINED_TPF = 1.08
 MIN_MARGIN = 0.05  # random draft and corrupted taps must lose at least this much
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
