@@ -77,9 +77,9 @@ SGL_ATOM_LOG_LEVEL = EnvVar(
 SGL_ATOM_CPU_KERNELS = EnvVar(
     "SGL_ATOM_CPU_KERNELS",
     "triton",
-    "atom backend on CPU: 'triton' runs the Triton kernels under Triton's interpreter; "
-    "'reference' runs their torch references (same contracts, float64; much faster), for "
-    "servers whose kernels are not what is under test.",
+    "atom backend on CPU: 'triton' runs the Triton kernels (paged and sparse attention) under "
+    "Triton's interpreter; 'reference' runs their torch references (same contracts, float64; "
+    "much faster), for servers whose kernels are not what is under test.",
 )
 SGL_ATOM_DSPARK_FAULT = EnvVar(
     "SGL_ATOM_DSPARK_FAULT",

@@ -3,7 +3,8 @@
 On a GPU, always the Triton kernels. On CPU, ``SGL_ATOM_CPU_KERNELS`` picks the Triton kernels
 under Triton's interpreter (``triton``, the default: the kernels themselves are exercised) or
 their torch references in float64 (``reference``: same contracts, far faster), for servers whose
-kernels are not what is under test.
+kernels are not what is under test. Both cover the paged-attention launchers and the sparse
+(MiniMax-M3-style) ones: index-key write, block selection and sparse attention.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from ..kernels.paged_attention import (
     reference_verify,
     verify_fwd,
 )
+from ..kernels.sparse_attention import (
+    index_write,
+    reference_block_scores,
+    reference_index_write,
+    reference_select_blocks,
+    reference_sparse_attention,
+    select_blocks,
+    sparse_attention_fwd,
+)
 
 CHOICES = ("triton", "reference")
 F64 = torch.float64  # row results then do not depend on how many rows run together
@@ -35,6 +45,9 @@ class KernelOps:
     decode: Callable
     verify: Callable
     extend: Callable
+    index_write: Callable
+    select_blocks: Callable
+    sparse_attn: Callable
 
 
 def _ref_decode(q, kc, vc, pt, lens, page_size, sm_scale, out, k_scale=None, v_scale=None, **_):
@@ -42,22 +55,93 @@ def _ref_decode(q, kc, vc, pt, lens, page_size, sm_scale, out, k_scale=None, v_s
     return out.copy_(ref)
 
 
-def _ref_verify(q, kc, vc, pt, lens, page_size, sm_scale, num_draft, out, k_scale=None,
-                v_scale=None, **_):
+def _ref_verify(
+    q, kc, vc, pt, lens, page_size, sm_scale, num_draft, out, k_scale=None, v_scale=None, **_
+):
     ref = reference_verify(q, kc, vc, pt, lens, page_size, sm_scale, k_scale, v_scale, F64)
     return out.copy_(ref)
 
 
-def _ref_extend(q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, out, k_scale=None,
-                v_scale=None, **_):
+def _ref_extend(
+    q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, out, k_scale=None, v_scale=None, **_
+):
     ref = reference_extend(
         q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, k_scale, v_scale, F64
     )
     return out.copy_(ref)
 
 
-TRITON = KernelOps("triton", store_kv, decode_fwd, verify_fwd, extend_fwd)
-REFERENCE = KernelOps("reference", reference_store_kv, _ref_decode, _ref_verify, _ref_extend)
+def _qo(qo_indptr, seq_lens):
+    """Decode passes no qo_indptr: one new token per sequence."""
+    if qo_indptr is not None:
+        return qo_indptr
+    return torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+
+
+def _ref_select(
+    index_q,
+    index_cache,
+    page_table,
+    seq_lens,
+    page_size,
+    scale,
+    topk,
+    init_blocks,
+    local_blocks,
+    qo_indptr=None,
+    index_scale=None,
+    **_,
+):
+    qo = _qo(qo_indptr, seq_lens)
+    scores = reference_block_scores(
+        index_q, index_cache, page_table, seq_lens, qo, page_size, scale, index_scale, F64
+    )
+    sel, count = reference_select_blocks(scores, seq_lens, qo, topk, init_blocks, local_blocks)
+    return sel.to(index_q.device), count.to(index_q.device)
+
+
+def _ref_sparse(
+    q,
+    kc,
+    vc,
+    page_table,
+    seq_lens,
+    selected,
+    count,
+    page_size,
+    sm_scale,
+    qo_indptr=None,
+    k_scale=None,
+    v_scale=None,
+    **_,
+):
+    qo = _qo(qo_indptr, seq_lens)
+    out = reference_sparse_attention(
+        q, kc, vc, page_table, seq_lens, qo, selected, page_size, sm_scale, k_scale, v_scale, F64
+    )
+    return out.to(q.dtype)
+
+
+TRITON = KernelOps(
+    "triton",
+    store_kv,
+    decode_fwd,
+    verify_fwd,
+    extend_fwd,
+    index_write,
+    select_blocks,
+    sparse_attention_fwd,
+)
+REFERENCE = KernelOps(
+    "reference",
+    reference_store_kv,
+    _ref_decode,
+    _ref_verify,
+    _ref_extend,
+    reference_index_write,
+    _ref_select,
+    _ref_sparse,
+)
 
 
 def kernel_ops(device: torch.device | str) -> KernelOps:
@@ -66,7 +150,5 @@ def kernel_ops(device: torch.device | str) -> KernelOps:
         return TRITON
     choice = envs.SGL_ATOM_CPU_KERNELS.get()
     if choice not in CHOICES:
-        raise ValueError(
-            f"SGL_ATOM_CPU_KERNELS={choice!r}: use one of {', '.join(CHOICES)}"
-        )
+        raise ValueError(f"SGL_ATOM_CPU_KERNELS={choice!r}: use one of {', '.join(CHOICES)}")
     return REFERENCE if choice == "reference" else TRITON

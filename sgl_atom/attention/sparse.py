@@ -14,14 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.sparse_attention import (
-    SPARSE_BLOCK,
-    TopkHolder,
-    index_write,
-    select_blocks,
-    should_score,
-    sparse_attention_fwd,
-)
+from ..kernels.sparse_attention import SPARSE_BLOCK, TopkHolder, should_score
 from ..log import get_logger
 
 logger = get_logger("sgl_atom.attention")
@@ -142,10 +135,16 @@ class SparseConfig:
 
 @dataclass
 class IndexCache:
-    """Per sparse layer: index keys ``[slots, index_dim]`` (bf16 or fp8 + ``[slots]`` scales)."""
+    """Per sparse layer: index keys ``[slots, index_dim]`` (bf16 or fp8 + ``[slots]`` scales).
+
+    ``writers``: the sparse layers that write index keys (score their own top-k); with
+    ``use_index_cache`` the others reuse a selection and their buffers stay unwritten. The P/D
+    transfer backend moves the writers' buffers (:mod:`sgl_atom.disagg.pool_regions`).
+    """
 
     keys: dict[int, torch.Tensor]
     scales: dict[int, torch.Tensor | None]
+    writers: tuple[int, ...] = ()
 
     @classmethod
     def for_pool(cls, pool, cfg: SparseConfig, dtype: torch.dtype) -> IndexCache:
@@ -162,16 +161,18 @@ class IndexCache:
             lid: torch.ones(slots, dtype=torch.float32, device=device) if fp8 else None
             for lid in held
         }
-        cache = cls(keys, scales)
+        cache = cls(keys, scales, tuple(lid for lid in held if cfg.scores(lid)))
         setattr(pool, _INDEX_ATTR, cache)
         nbytes = sum(t.numel() * t.element_size() for t in keys.values())
         logger.info(
-            "sparse index cache: %d layers x [%d slots, %d] %s = %.2f MB",
+            "sparse index cache: %d layers x [%d slots, %d] %s = %.2f MB; layers %s write "
+            "index keys",
             len(held),
             slots,
             cfg.index_dim,
             str(dtype).replace("torch.", ""),
             nbytes / 2**20,
+            list(cache.writers),
         )
         return cache
 
@@ -214,13 +215,13 @@ class SparseAttention:
 
         def score():
             if save_kv_cache:
-                index_write(
+                be.ops.index_write(
                     index_k,
                     self.index.keys[lid],
                     forward_batch.out_cache_loc,
                     self.index.scales[lid],
                 )
-            return select_blocks(
+            return be.ops.select_blocks(
                 index_q,
                 self.index.keys[lid],
                 meta.page_table,
@@ -244,7 +245,7 @@ class SparseAttention:
         self._count(meta, count, decode)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         kc, vc, ks, vs = be._cache(layer)
-        o = sparse_attention_fwd(
+        o = be.ops.sparse_attn(
             q3,
             kc,
             vc,

@@ -126,6 +126,28 @@ def _check_aux(mine: list[tuple[int, int, int]], theirs: tuple[tuple[int, int, i
             )
 
 
+def check_state_types(state_types: list[Any], export: PoolExport, pool_name: str) -> None:
+    """Refuse, at start-up, per-request state SGLang would hand over that the regions do not
+    move (mamba, SWA, DSA, ...); the covered ones ride with the pages."""
+    missing = [getattr(st, "value", str(st)) for st in state_types]
+    missing = [st for st in missing if st not in export.covers]
+    if missing:
+        raise RuntimeError(
+            f"atom P/D: {pool_name} has per-request state {missing} that the atom transfer "
+            "backend does not move (it moves K/V, fp8 scales, sparse index keys and a draft "
+            "pool as pages); serve this model with --disaggregation-transfer-backend "
+            "mooncake or nixl"
+        )
+
+
+def region_counts(export: PoolExport) -> str:
+    """``target_k 4, target_v 4, index_k 2, ...``: regions per kind, in export order."""
+    counts: dict[str, int] = {}
+    for r in export.regions:
+        counts[r.kind.value] = counts.get(r.kind.value, 0) + 1
+    return ", ".join(f"{kind} {n}" for kind, n in counts.items())
+
+
 class AtomKVManager(CommonKVManager):
     """One rank's side of the atom backend (prefill: producer, decode: consumer)."""
 
@@ -170,6 +192,15 @@ class AtomKVManager(CommonKVManager):
             sum(r.kind.appended for r in self.export.regions),
             len(self.aux),
         )
+        logger.info(
+            "atom P/D %s rank tp %d/%d pp %d/%d regions by kind: %s",
+            disaggregation_mode.value,
+            self.attn_tp_rank,
+            self.attn_tp_size,
+            self.pp_rank,
+            self.pp_size,
+            region_counts(self.export),
+        )
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._init_producer()
         else:
@@ -197,6 +228,7 @@ class AtomKVManager(CommonKVManager):
             total_kv_heads=self._total_kv_heads(args),
             draft_pool=draft_pool(),
         )
+        check_state_types(getattr(args, "state_types", None) or [], export, type(pool).__name__)
         ours = [t.data_ptr() for t in export.tensors if t.data_ptr() in set(args.kv_data_ptrs)]
         if sorted(ours) != sorted(args.kv_data_ptrs):
             raise RuntimeError(
@@ -334,12 +366,11 @@ class AtomKVManager(CommonKVManager):
         num_kv_tokens: int | None = None,
         **_: Any,
     ) -> None:
-        """Called by the sender for each computed chunk: queue it for the writer thread."""
-        if state_indices:
-            raise AtomTransferError(
-                "the atom transfer backend moves KV pages only; this model has per-request "
-                "state (mamba/SWA/index) that it does not carry"
-            )
+        """Called by the sender for each computed chunk: queue it for the writer thread.
+
+        state_indices: SGLang's per-request state components; start-up admitted only those the
+        regions move with the pages (``export.covers``), so they need no transfer of their own.
+        """
         if bootstrap_room not in self.transfer_infos:
             return
         self.queue.put(
@@ -476,10 +507,7 @@ class AtomKVManager(CommonKVManager):
         is_dummy: bool,
         device_kv_indices: npt.NDArray[np.int32] | None = None,
     ) -> list[bytes]:
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            raise AtomTransferError(
-                "the atom transfer backend moves KV pages only; this model has per-request state"
-            )
+        # state_indices: only components the regions move with the pages (checked at start-up)
         total = self.export.regions[0].total_heads
         head_start, head_count = heads_of_rank(total, self.attn_tp_size, self.attn_tp_rank)
         req = wire.TransferRequest(

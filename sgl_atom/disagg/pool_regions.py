@@ -13,11 +13,20 @@ A speculative draft's own KV pool (``draft_pool``: per draft layer lists ``k``, 
 ``draft_k``, ``draft_v`` and, for an fp8 draft, ``draft_k_scale``, ``draft_v_scale``, numbered
 inside the draft and paired from the end of the list by the planner. The draft is whole on
 every rank, so it is exported at TP1 only.
+
+A MiniMax-M3-style sparse model adds, per sparse layer that writes index keys, the atom
+backend's index cache (:class:`sgl_atom.attention.sparse.IndexCache`, hung off the pool):
+``index_k`` rows ``[slots, index_dim]`` (one head, replicated on every TP rank) and, for fp8 keys,
+``index_scale`` ``[slots]`` fp32, after the layer's K/V and scales. SGLang serves such a model
+from a ``MiniMaxSparseKVPool``, whose K/V of every layer live in its ``main_pool``; SGLang hands
+a transfer backend the sparse layers' K/V as pages and the dense layers' K/V and its own index
+pool as per-request state. This description moves them all as pages of the regions above (the
+same slot ids), so :attr:`PoolExport.covers` names those state components.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,15 +43,26 @@ from sgl_atom.disagg.regions import (
 )
 
 _SCALES_ATTR = "_sgl_atom_kv_scales"  # where sgl_atom.attention.kv_scales hangs the scales
+_INDEX_ATTR = "_sgl_atom_index_cache"  # where sgl_atom.attention.sparse hangs the index cache
+# SGLang's per-request state components (StateType values) that a MiniMaxSparseKVPool's
+# description moves as pages: the dense layers' K/V (main_pool layers) and the index keys
+# (the atom backend's own index cache; SGLang's index_k_pool is not written by it).
+DENSE_KV_STATE = "minimax_dense_kv"
+INDEX_K_STATE = "minimax_index_k"
 
 
 @dataclass(frozen=True)
 class PoolExport:
-    """One rank's regions, the tensor behind each (same order) and its PP stage's layers."""
+    """One rank's regions, the tensor behind each (same order) and its PP stage's layers.
+
+    covers: SGLang per-request state components (``StateType`` values) whose bytes these
+    regions already move with the request's pages.
+    """
 
     regions: tuple[RegionDesc, ...]
     tensors: tuple[torch.Tensor, ...]
     stage_layers: tuple[int, int]
+    covers: frozenset[str] = frozenset()
 
     def spans(self) -> list[tuple[int, int]]:
         """(base address, bytes) of each region's buffer."""
@@ -62,11 +82,13 @@ def describe_pool(
     total_kv_heads: int,
     draft_pool: Any | None = None,
 ) -> PoolExport:
-    """The regions of ``pool`` (an MHA token pool) on TP rank ``tp_rank`` of ``tp_size``, then
-    those of ``draft_pool`` when given."""
+    """The regions of ``pool`` (an MHA token pool, or a MiniMaxSparseKVPool) on TP rank
+    ``tp_rank`` of ``tp_size``: per layer K, V, fp8 scales and index keys; then those of
+    ``draft_pool`` when given."""
+    kv, covers = _kv_pool(pool)
     k_bufs, v_bufs = (
-        list(getattr(pool, "k_buffer", None) or []),
-        list(getattr(pool, "v_buffer", None) or []),
+        list(getattr(kv, "k_buffer", None) or []),
+        list(getattr(kv, "v_buffer", None) or []),
     )
     if not k_bufs or len(k_bufs) != len(v_bufs):
         raise RegionError(
@@ -79,6 +101,8 @@ def describe_pool(
     _check_buffers(pool, k_bufs, v_bufs, per)
     dtype = pool_dtype(pool)
     scales = getattr(pool, _SCALES_ATTR, None)
+    fp8_scales = scales is not None and dtype in FP8_DTYPES
+    index = describe_index_cache(getattr(pool, _INDEX_ATTR, None), layers, len(k_bufs[0]))
     regions = build_rank_regions(
         layers=layers,
         tp_rank=tp_rank,
@@ -88,14 +112,19 @@ def describe_pool(
         dtype=dtype,
         page_size=int(pool.page_size),
         runs_per_page=None,  # SGLang's rows are token-major: one run per token
-        fp8_scales=scales is not None and dtype in FP8_DTYPES,
+        fp8_scales=fp8_scales,
+        index_dim=index.dim,
+        index_layers=index.layers,
+        index_dtype=index.dtype,
     )
-    per_layer = 4 if scales is not None and dtype in FP8_DTYPES else 2
     tensors: list[torch.Tensor] = []
-    for i in range(len(k_bufs)):
+    for i, layer in enumerate(layers):
         tensors += [k_bufs[i], v_bufs[i]]
-        if per_layer == 4:
+        if fp8_scales:
             tensors += [scales.k[i], scales.v[i]]
+        tensors += index.tensors.get(layer, [])
+    if index.layers:
+        covers |= {INDEX_K_STATE}
     if draft_pool is not None:
         d_regions, d_tensors = describe_draft_pool(
             draft_pool, tp_size=tp_size, page_size=int(pool.page_size), min_slots=len(k_bufs[0])
@@ -104,7 +133,86 @@ def describe_pool(
         tensors += d_tensors
     if len(tensors) != len(regions):
         raise RegionError(f"{len(regions)} regions described for {len(tensors)} buffers")
-    return PoolExport(tuple(regions), tuple(tensors), (layers.start, layers.stop))
+    return PoolExport(tuple(regions), tuple(tensors), (layers.start, layers.stop), covers)
+
+
+def _kv_pool(pool: Any) -> tuple[Any, frozenset[str]]:
+    """The pool holding every layer's K/V rows, and the SGLang state components that moving
+    them covers: a MiniMaxSparseKVPool keeps all of them in its main_pool."""
+    main = getattr(pool, "main_pool", None)
+    if main is None:
+        return pool, frozenset()
+    name = type(pool).__name__
+    if getattr(pool, "dense_pool", None) is not None:
+        raise RegionError(
+            f"{name}: its dense layers' K/V live in a pool of their own (hisparse); the atom "
+            "transfer backend moves pools whose layers all live in main_pool: serve without "
+            "hisparse, or with --disaggregation-transfer-backend mooncake/nixl"
+        )
+    if getattr(pool, "index_kv_pool", None) is not None:
+        raise RegionError(
+            f"{name}: sparse layers with an index value (index_kv_pool) are not moved by the "
+            "atom transfer backend; it moves index keys only (sparse_disable_index_value)"
+        )
+    return main, frozenset({DENSE_KV_STATE})
+
+
+@dataclass(frozen=True)
+class IndexExport:
+    """The index cache's part of a rank's regions: per writing layer, its buffers."""
+
+    dim: int = 0
+    dtype: str | None = None
+    layers: tuple[int, ...] = ()
+    tensors: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+def describe_index_cache(cache: Any | None, layers: range, min_slots: int) -> IndexExport:
+    """The index keys (and fp8 scales) of the layers in ``cache.writers``; empty without a
+    cache. Each key buffer must be contiguous ``[>= min_slots, index_dim]`` rows of one dtype
+    shared by every layer, each fp8 scale buffer contiguous fp32 ``[>= min_slots]``."""
+    if cache is None or not cache.writers:
+        return IndexExport()
+    outside = [lid for lid in cache.writers if lid not in layers]
+    if outside:
+        raise RegionError(
+            f"index cache: layers {outside} write index keys but this pool holds layers "
+            f"{layers.start}..{layers.stop - 1}"
+        )
+    first = cache.keys[cache.writers[0]]
+    dtype, dim = canonical_dtype(str(first.dtype)), int(first.shape[-1])
+    tensors = {}
+    for lid in cache.writers:
+        key = cache.keys[lid]
+        _check_rows(f"index_k layer {lid}", key, (min_slots, dim), dtype)
+        tensors[lid] = [key]
+        if dtype in FP8_DTYPES:
+            scale = cache.scales.get(lid)
+            if scale is None:
+                raise RegionError(
+                    f"index_scale layer {lid}: {dtype} index keys need a per-token fp32 scale "
+                    "buffer; the index cache has none"
+                )
+            _check_rows(f"index_scale layer {lid}", scale, (min_slots,), SCALE_DTYPE)
+            tensors[lid].append(scale)
+    return IndexExport(dim, dtype, tuple(cache.writers), tensors)
+
+
+def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: str) -> None:
+    """t is contiguous ``dtype`` rows of ``shape`` (at least shape[0] rows)."""
+    ok = (
+        t.dim() == len(shape)
+        and int(t.shape[0]) >= shape[0]
+        and tuple(t.shape[1:]) == shape[1:]
+        and t.is_contiguous()
+        and canonical_dtype(str(t.dtype)) == dtype
+    )
+    if not ok:
+        want = ", ".join([f">= {shape[0]} slots", *map(str, shape[1:])])
+        raise RegionError(
+            f"{name}: expected contiguous {dtype} rows [{want}], got {t.dtype} "
+            f"{tuple(t.shape)} (contiguous={t.is_contiguous()})"
+        )
 
 
 def describe_draft_pool(

@@ -225,3 +225,29 @@ def test_dense_model_has_no_sparse_path():
     q, k, v, iq, ik = _inputs(10, 3)
     with pytest.raises(AtomConfigError, match="without sparse_attention_config"):
         backend.forward_sparse(q, k, v, iq, ik, _layer(0), fb)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_reference_cpu_kernels_serve_the_sparse_path_like_triton(monkeypatch, kv_dtype):
+    """SGL_ATOM_CPU_KERNELS=reference swaps the sparse launchers too: the same index keys
+    written (fp8: up to e4m3 rounding), as many blocks attended, the same output as the Triton
+    kernels within rounding (bf16; fp8 also carries the key rounding)."""
+    out = {}
+    for choice in ("triton", "reference"):
+        monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", choice)
+        torch.manual_seed(5)  # the same pages for both
+        backend, runner = _backend(_hf(sparse_topk_blocks=3), kv_dtype)
+        assert backend.ops.name == choice
+        fb = _extend_batch(runner, 400)  # 4 blocks: 1 chosen by score among blocks 1 and 2
+        q, k, v, iq, ik = _inputs(400, 6)
+        backend.init_forward_metadata(fb)
+        o = backend.forward_sparse(q, k, v, iq, ik, _layer(0), fb)
+        keys = backend.sparse.index.keys[0][fb.out_cache_loc].float()
+        out[choice] = (o, keys, backend.sparse.stats.attended_blocks)
+    (o_t, k_t, n_t), (o_r, k_r, n_r) = out["triton"], out["reference"]
+    if kv_dtype == torch.bfloat16:
+        assert torch.equal(k_t, k_r)
+    else:  # the interpreter's e4m3 rounding differs from torch's (as in the kernel tests)
+        assert _rel(k_r, k_t) < 5e-2
+    assert n_t == n_r and n_t < 400 * KV_HEADS * 4
+    assert _rel(o_r, o_t) < (2e-2 if kv_dtype == torch.bfloat16 else 5e-2)
