@@ -16,6 +16,13 @@ CUDA/HIP/XPU/MUSA only (layers/moe/topk.py). The routing is the reference's: sig
 softmax) scores in float32, experts chosen by score + ``e_score_correction_bias``, weighted by
 the unbiased score renormalised to 1, times ``routed_scaling_factor``; the shared expert is
 added.
+
+Layer taps (DSpark/DFlash drafts): :meth:`MiniMaxM3SparseForCausalLM.set_dflash_layers_to_capture`
+arms them as SGLang's Llama does (models/llama.py): the output of HF layer ``i`` is the residual
+stream entering layer ``i + 1`` (``h + residual``, as the input norm's fused add returns it), so
+the last layer's output is not capturable. A forward whose ``capture_hidden_mode`` asks for
+hidden states hands the captures to the LogitsProcessor, which packs them ``[tokens, taps *
+hidden]`` into ``hidden_states``; a forward that does not ask runs as without taps.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.aux_hidden_states import AuxHiddenStateList
 from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
@@ -271,11 +279,15 @@ class M3DecoderLayer(nn.Module):
         self.input_layernorm = _norm(config, h)
         self.post_attention_layernorm = _norm(config, h)
 
-    def forward(self, positions, h, residual, forward_batch):
+    def forward(self, positions, h, residual, forward_batch, capture=None):
+        """``capture``, when given, receives the residual stream entering this layer (the
+        previous layer's output), borrowed."""
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
+        if capture is not None:
+            capture(residual)
         x = self.self_attn(positions, x, forward_batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -293,12 +305,17 @@ class M3Model(nn.Module):
         )
         self.norm = _norm(config, config.hidden_size)
         self.start_layer, self.end_layer = 0, config.num_hidden_layers
+        # layers whose input residual stream is captured (llama's convention: HF id + 1)
+        self.layers_to_capture: list[int] = []
 
-    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, aux=None):
+        """Final hidden states; with ``aux`` (an ``AuxHiddenStateList``), the residual stream
+        entering each layer of ``layers_to_capture`` is appended to it, in layer order."""
         h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual, forward_batch)
+        for i, layer in enumerate(self.layers):
+            capture = aux.capture if aux is not None and i in self.layers_to_capture else None
+            h, residual = layer(positions, h, residual, forward_batch, capture)
         h, _ = self.norm(h, residual)
         return h
 
@@ -332,6 +349,7 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, prefix=add_prefix("lm_head", prefix)
         )
         self.logits_processor = LogitsProcessor(config)
+        self.capture_aux_hidden_states = False
 
     @staticmethod
     def _check_sparse(config) -> None:
@@ -348,6 +366,22 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
+    def get_embed_and_head(self):
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
+    def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+        """Capture the outputs of HF layers ``layer_ids`` in every forward that asks for
+        hidden states (SGLang's Llama convention: layer ``i``'s output is layer ``i + 1``'s
+        input residual stream)."""
+        last = self.config.num_hidden_layers - 1
+        if not layer_ids or any(not 0 <= i < last for i in layer_ids):
+            raise ValueError(
+                f"MiniMaxM3SparseForCausalLM taps {layer_ids}: give layer ids in [0, {last}); "
+                f"the last layer's ({last}) output is not capturable"
+            )
+        self.capture_aux_hidden_states = True
+        self.model.layers_to_capture = [i + 1 for i in layer_ids]
+
     @property
     def start_layer(self) -> int:
         return self.model.start_layer
@@ -357,8 +391,12 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
         return self.model.end_layer
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, **_):
-        h = self.model(input_ids, positions, forward_batch, input_embeds)
-        return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
+        mode = getattr(forward_batch, "capture_hidden_mode", None)
+        aux = None
+        if self.capture_aux_hidden_states and mode is not None and mode.need_capture():
+            aux = AuxHiddenStateList()
+        h = self.model(input_ids, positions, forward_batch, input_embeds, aux)
+        return self.logits_processor(input_ids, h, self.lm_head, forward_batch, aux or None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the checkpoint under its own names (``block_sparse_moe`` is ``mlp`` here)."""

@@ -112,10 +112,12 @@ def _llama(out: Path, vocab: int, spec: dict) -> None:
 
 
 def _dspark(out: Path, vocab: int, spec: dict) -> None:
-    """A random DSpark draft for the ``llama`` target: taps, projection, draft layers, Markov head.
+    """A random DSpark draft for the target kind whose spec is ``spec["target"]`` (its hidden
+    size, layer count and context length): taps, projection, draft layers, Markov head.
 
-    The tokenizer written beside it is the target's (same corpus, same vocabulary size); the
-    draft borrows the target's embedding and LM head, so neither is in this checkpoint.
+    The tokenizer written beside it is the target's (every kind trains the same one); the
+    draft borrows the target's embedding and LM head, so neither is in this checkpoint. Its
+    head_dim is the target's hidden size over the draft's ``heads``.
     """
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -453,6 +455,17 @@ KINDS["m3"] = (
     ),
     _m3,
 )
+
+
+def _dspark_for(target: str, **over) -> dict:
+    """The ``dspark`` kind's draft spec for the target kind ``target``, with ``over`` applied."""
+    spec = {k: v for k, v in KINDS["dspark"][0].items() if k != "target"}
+    return dict(target=dict(KINDS[target][0]), **(spec | over))
+
+
+# A DSpark draft for the "m3" target (MHA: its own KV pool). Taps [1, 2] stop below the last of
+# the target's 4 layers; head_dim 64 = the target's hidden 128 over 2 heads.
+KINDS["m3-dspark"] = (_dspark_for("m3", heads=2, kv_heads=2, intermediate=256, seed=3), _dspark)
 
 
 def _spec_digest(kind: str, spec: dict) -> str:

@@ -159,3 +159,33 @@ def test_reference_scores_pick_free_blocks_and_reused_layers_share(ckpt, prompt)
     own: dict = {}
     scored.forward(prompt, trace=own)
     assert own[2] is not own[1] and torch.equal(own[1][0], sel1)
+
+
+def test_m3_dspark_draft_fits_the_m3_target(ckpt, cfg, tmp_path):
+    from safetensors.torch import load_file
+
+    from sgl_atom.spec.dspark.config import DSparkDraftConfig
+    from sgl_atom.spec.dspark.weights import check_draft_weights
+
+    draft = tiny.build(tmp_path / "m3-dspark", "m3-dspark", log=lambda _: None)
+    hf = json.loads((draft / "config.json").read_text())
+    assert hf["architectures"] == ["AtomDSparkDraftModel"]
+    d = DSparkDraftConfig.from_hf_dict(hf)
+    d.check_target(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        vocab_size=cfg["vocab_size"],
+    )
+    assert (d.hidden_size, d.vocab_size) == (cfg["hidden_size"], cfg["vocab_size"])
+    assert d.tap_hidden_size == cfg["hidden_size"]
+    # taps SGLang-style targets can capture: below the target's last layer
+    assert d.target_layer_ids == (1, 2) and max(d.target_layer_ids) < cfg["num_hidden_layers"] - 1
+    # an MHA draft (its own pool), head_dim the draft pool and kv_quant kernels serve
+    assert d.num_attention_heads == d.num_key_value_heads == 2 and d.head_dim == 64
+    check_draft_weights(d, load_file(str(draft / "model.safetensors")))
+    assert (draft / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(draft / "tokenizer.json")).id_to_token(d.mask_token_id) == (
+        "<pad>"
+    )

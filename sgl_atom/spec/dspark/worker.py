@@ -27,7 +27,6 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
-from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from ... import envs
 from ...disagg.draft_registry import register_draft_pool
@@ -218,9 +217,9 @@ class AtomDSparkWorker(NGRAMWorker):
         predict, accept_lens, accept_index = eagle_sample(
             verify_input, batch, logits_output, None, watermark_state=None
         )
-        move_accept_tokens_to_target_kvcache(
-            batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator
-        )
+        # No KV move (SGLang's move_accept_tokens_to_target_kvcache): in a chain the accepted
+        # rows are the front of each verify window, where that move would put them, so it is
+        # the identity; and the M3 target's MiniMaxSparseKVPool does not implement it.
         self._write_verify_context(batch, logits_output.hidden_states, accept_index, accept_lens)
         new_seq_lens = batch.seq_lens + accept_lens
         accept_tokens = predict[accept_index].flatten()
