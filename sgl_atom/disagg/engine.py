@@ -1,4 +1,4 @@
-"""Move planned byte spans between two processes through NIXL (UCX backend), CPU buffers.
+"""Move planned byte spans between two processes through NIXL (UCX backend), CPU or GPU buffers.
 
 A :class:`NixlEngine` is one NIXL agent. Each side registers its region buffers
 (:meth:`NixlEngine.register`) and sends :meth:`NixlEngine.metadata` to the peer out of band (the
@@ -13,6 +13,11 @@ names, a destination span against the peer's region base and length (the peer's 
 `region_addrs` and sizes); NIXL checks the destination again against the peer's registered
 memory in its metadata. UCX's transports are picked by UCX's own environment
 (`UCX_TLS`, `UCX_NET_DEVICES`); on one host `UCX_NET_DEVICES=lo` keeps traffic on loopback.
+
+Memory kinds: a CPU tensor is registered as NIXL ``DRAM``, a CUDA tensor as ``VRAM`` with its
+device index, so a GPU pool moves GPU to GPU (UCX's CUDA transports) without a host bounce.
+A write's destination kind is the peer's: given with :meth:`NixlEngine.add_peer` (``DRAM`` by
+default, which is what a CPU peer's pool is).
 """
 
 from __future__ import annotations
@@ -24,7 +29,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_MEM = "DRAM"
+DRAM, VRAM = "DRAM", "VRAM"
+MemKind = tuple[str, int]  # (NIXL memory type, device index)
+_HOST: MemKind = (DRAM, 0)
+
+
+def mem_kind(t: torch.Tensor) -> MemKind:
+    """NIXL's memory type and device index for a tensor's storage."""
+    if t.device.type == "cuda":
+        return (VRAM, t.device.index if t.device.index is not None else 0)
+    if t.device.type == "cpu":
+        return _HOST
+    raise TransferError(f"NIXL moves CPU or CUDA memory, not {t.device}")
 
 
 class TransferError(RuntimeError):
@@ -65,7 +81,7 @@ def coalesce(spans: np.ndarray) -> np.ndarray:
 
 
 class NixlEngine:
-    """One NIXL agent over UCX moving bytes between registered CPU buffers."""
+    """One NIXL agent over UCX moving bytes between registered CPU or GPU buffers."""
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
         nixl_agent, nixl_agent_config = _nixl()
@@ -84,50 +100,67 @@ class NixlEngine:
             )
         self.name = name
         self._regions: dict[str, tuple[int, int]] = {}
+        self._kinds: dict[str, MemKind] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._reg_descs: list[object] = []
         self._peers: dict[str, dict[int, int]] = {}
+        self._peer_kinds: dict[str, dict[int, MemKind]] = {}
 
     # Registration and metadata -----------------------------------------------------------
 
     def register(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-        """Register contiguous CPU tensors; returns {name: (base address, bytes)} of each."""
-        new = {}
+        """Register contiguous CPU (DRAM) or CUDA (VRAM) tensors; returns {name: (base address,
+        bytes)} of each."""
+        new, kinds = {}, {}
         for name, t in buffers.items():
             if name in self._regions:
                 raise TransferError(f"region {name!r} is already registered on {self.name}")
-            if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            if t.device.type not in ("cpu", "cuda") or not t.is_contiguous() or t.numel() == 0:
                 raise TransferError(
-                    f"region {name!r}: NixlEngine registers non-empty contiguous CPU tensors, "
-                    f"got device {t.device}, contiguous={t.is_contiguous()}, numel={t.numel()}"
+                    f"region {name!r}: NixlEngine registers non-empty contiguous CPU or CUDA "
+                    f"tensors, got device {t.device}, contiguous={t.is_contiguous()}, "
+                    f"numel={t.numel()}"
                 )
             new[name] = (t.data_ptr(), t.numel() * t.element_size())
-        registered = self._register_rows(new)
+            kinds[name] = mem_kind(t)
+        registered = self._register_rows(new, kinds)
         self._tensors.update(buffers)
         return registered
 
     def register_addresses(
-        self, spans: Mapping[str, tuple[int, int]]
+        self, spans: Mapping[str, tuple[int, int]], kind: MemKind = _HOST
     ) -> dict[str, tuple[int, int]]:
-        """Register CPU memory by {name: (base address, bytes)}; the caller keeps it alive for
-        the agent's lifetime (buffers SGLang owns and hands over as pointers)."""
+        """Register memory by {name: (base address, bytes)}, all of one kind (DRAM by default,
+        or (VRAM, device)); the caller keeps it alive for the agent's lifetime (buffers SGLang
+        owns and hands over as pointers)."""
         for name, (addr, n) in spans.items():
             if name in self._regions:
                 raise TransferError(f"region {name!r} is already registered on {self.name}")
             if addr <= 0 or n <= 0:
                 raise TransferError(f"region {name!r}: address 0x{addr:x} / {n} B is not memory")
-        return self._register_rows(dict(spans))
+        if kind[0] not in (DRAM, VRAM):
+            raise TransferError(f"memory kind {kind[0]!r}: NixlEngine registers DRAM or VRAM")
+        return self._register_rows(dict(spans), dict.fromkeys(spans, kind))
 
-    def _register_rows(self, new: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    def _register_rows(
+        self, new: dict[str, tuple[int, int]], kinds: dict[str, MemKind]
+    ) -> dict[str, tuple[int, int]]:
         if not new:
             return {}
-        rows = [(addr, n, 0, name) for name, (addr, n) in new.items()]
-        try:
-            self._reg_descs.append(self._agent.register_memory(rows, _MEM))
-        except Exception as e:
-            raise TransferError(f"{self.name}: registering {list(new)} failed: {e}") from e
+        for mem in sorted({kinds[n][0] for n in new}):
+            rows = [(a, n, kinds[k][1], k) for k, (a, n) in new.items() if kinds[k][0] == mem]
+            try:
+                self._reg_descs.append(self._agent.register_memory(rows, mem))
+            except Exception as e:
+                names = [r[3] for r in rows]
+                raise TransferError(f"{self.name}: registering {mem} {names} failed: {e}") from e
         self._regions.update(new)
+        self._kinds.update(kinds)
         return dict(new)
+
+    def kind(self, region: str) -> MemKind:
+        """The NIXL memory type and device of a registered region (for the peer's handshake)."""
+        return self._kinds[region]
 
     @property
     def regions(self) -> dict[str, tuple[int, int]]:
@@ -138,10 +171,15 @@ class NixlEngine:
         return self._agent.get_agent_metadata()
 
     def add_peer(
-        self, name: str, metadata: bytes, regions: Mapping[int, int] | None = None
+        self,
+        name: str,
+        metadata: bytes,
+        regions: Mapping[int, int] | None = None,
+        kinds: Mapping[int, MemKind] | None = None,
     ) -> None:
         """Load a peer's metadata. regions: {base address: bytes} of the peer's region buffers,
-        from its handshake; writes are bounds-checked against them when given."""
+        from its handshake; writes are bounds-checked against them when given. kinds: {base
+        address: (memory type, device)} of those buffers where they are not host memory."""
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as e:
@@ -155,8 +193,10 @@ class NixlEngine:
                 f"{self.name}: metadata handed in for peer {name!r} belongs to agent {loaded!r}"
             )
         self._peers[name] = dict(regions or {})
+        self._peer_kinds[name] = dict(kinds or {})
 
     def remove_peer(self, name: str) -> None:
+        self._peer_kinds.pop(name, None)
         if self._peers.pop(name, None) is not None:
             self._agent.remove_remote_agent(name)
 
@@ -180,15 +220,22 @@ class NixlEngine:
             )
         rows = coalesce(self._check_spans(peer, spans, src_region, dst_region_addr))
         src_base, _ = self._regions[src_region]
-        zeros = np.zeros(len(rows), dtype=np.uint64)
-        local = np.stack([rows[:, 0] + np.uint64(src_base), rows[:, 2], zeros], axis=1)
-        remote = np.stack([rows[:, 1] + np.uint64(dst_region_addr), rows[:, 2], zeros], axis=1)
+        src_mem, src_dev = self._kinds[src_region]
+        dst_mem, dst_dev = self._peer_kinds[peer].get(dst_region_addr, _HOST)
+        n = len(rows)
+        local = np.stack(
+            [rows[:, 0] + np.uint64(src_base), rows[:, 2], np.full(n, src_dev, np.uint64)], axis=1
+        )
+        remote = np.stack(
+            [rows[:, 1] + np.uint64(dst_region_addr), rows[:, 2], np.full(n, dst_dev, np.uint64)],
+            axis=1,
+        )
         nbytes = int(rows[:, 2].sum())
         try:
             xfer = self._agent.initialize_xfer(
                 "WRITE",
-                self._agent.get_xfer_descs(local, _MEM),
-                self._agent.get_xfer_descs(remote, _MEM),
+                self._agent.get_xfer_descs(local, src_mem),
+                self._agent.get_xfer_descs(remote, dst_mem),
                 peer,
                 notif,
             )
@@ -237,6 +284,7 @@ class NixlEngine:
             agent.deregister_memory(descs)
         self._reg_descs.clear()
         self._regions.clear()
+        self._kinds.clear()
         self._tensors.clear()
         self._agent = None
 
