@@ -90,12 +90,7 @@ def m3pd(servers, model):
         "m3-prefill": ([*ARGS, *prefill_args(bp)], {**PD_ENV, **ENV}),
         "m3-decode": ([*ARGS, *DECODE_ARGS], {**DECODE_ENV, **ENV}),
     }
-    with ThreadPoolExecutor(len(jobs)) as ex:
-        futs = {
-            name: ex.submit(servers.start, model, args, env=env, name=name)
-            for name, (args, env) in jobs.items()
-        }
-        started = {name: f.result() for name, f in futs.items()}
+    started = servers.start_many({n: (model, *job) for n, job in jobs.items()})
     router = Router([(started["m3-prefill"].url, bp)], [started["m3-decode"].url])
     try:
         router.start()
