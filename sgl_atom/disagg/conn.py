@@ -49,7 +49,7 @@ from sglang.srt.server_args import ServerArgs
 from sgl_atom import envs
 from sgl_atom.disagg import wire
 from sgl_atom.disagg.draft_registry import draft_pool
-from sgl_atom.disagg.engine import NixlEngine, TransferError
+from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError, heads_of_rank
@@ -111,6 +111,18 @@ def plan_for_peer(
     if is_last_stage:
         _check_aux(aux, hs.aux)
     return plan
+
+
+def peer_kinds(hs: wire.Handshake) -> dict[int, MemKind]:
+    """NIXL memory kinds of a consumer's region buffers that are GPU memory, by base address
+    (the rest are host memory, NixlEngine's default)."""
+    if not hs.region_devices:
+        return {}
+    return {
+        addr: (VRAM, dev)
+        for addr, dev in zip(hs.region_addrs, hs.region_devices, strict=True)
+        if dev >= 0
+    }
 
 
 def _check_aux(mine: list[tuple[int, int, int]], theirs: tuple[tuple[int, int, int], ...]) -> None:
@@ -297,7 +309,7 @@ class AtomKVManager(CommonKVManager):
             )
             bounds = dict(zip(hs.region_addrs, hs.region_bytes, strict=True))
             bounds.update({addr: n for addr, n, _ in hs.aux})
-            self.engine.add_peer(hs.agent_name, hs.agent_metadata, bounds)
+            self.engine.add_peer(hs.agent_name, hs.agent_metadata, bounds, peer_kinds(hs))
         except (HandshakeError, RegionError, TransferError, AtomTransferError, ValueError) as e:
             reason = (
                 f"atom P/D: prefill rank tp {self.attn_tp_rank}/{self.attn_tp_size} pp "
@@ -489,6 +501,9 @@ class AtomKVManager(CommonKVManager):
             agent_name=self.engine.name,
             agent_metadata=self.engine.metadata(),
             region_bytes=tuple(n for _, n in self.export.spans()),
+            region_devices=tuple(
+                (t.device.index or 0) if t.is_cuda else -1 for t in self.export.tensors
+            ),
             aux=tuple(self.aux),
             status_host=self.local_ip,
             status_port=int(self.rank_port),

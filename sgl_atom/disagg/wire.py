@@ -29,7 +29,7 @@ from typing import Any
 from sgl_atom.disagg.regions import RegionDesc, RegionKind
 
 MAGIC = b"SAPD"
-VERSION = 1
+VERSION = 2  # 2: Handshake.region_devices
 HEADER = struct.Struct("!4sBBHI")
 MAX_BODY = 16 << 20
 MAX_REGIONS = 8192
@@ -54,7 +54,8 @@ class Handshake:
     region_bytes: each buffer's length (writes into it are bounds-checked against it), or empty.
     aux: (base address, bytes, bytes per request) of each per-request metadata buffer (the
     first output token and its logprobs), copied whole per request. status_host/status_port:
-    where the producer reports a room's outcome (a consumer's control socket).
+    where the producer reports a room's outcome (a consumer's control socket). region_devices:
+    the CUDA device of each region's buffer, -1 for host memory; empty: all host memory.
     """
 
     role: str  # "producer" or "consumer"
@@ -71,6 +72,7 @@ class Handshake:
     aux: tuple[tuple[int, int, int], ...] = ()
     status_host: str = ""
     status_port: int = 0
+    region_devices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ _FIELDS: dict[type, dict[str, Check]] = {
         "aux": _list(_list(_int(0, U64), 3, 3), MAX_AUX),
         "status_host": _str(MAX_NAME),
         "status_port": _int(0, 65535),
+        "region_devices": _list(_int(-1, 1023), MAX_REGIONS),
     },
     TransferRequest: {
         "room": _int(0, U64),
@@ -328,6 +331,10 @@ def _handshake(v: dict[str, Any]) -> Handshake:
         problems.append(f"{len(v['region_addrs'])} region_addrs for {len(v['regions'])} regions")
     if v["region_bytes"] and len(v["region_bytes"]) != len(v["regions"]):
         problems.append(f"{len(v['region_bytes'])} region_bytes for {len(v['regions'])} regions")
+    if v["region_devices"] and len(v["region_devices"]) != len(v["regions"]):
+        problems.append(
+            f"{len(v['region_devices'])} region_devices for {len(v['regions'])} regions"
+        )
     if problems:
         raise WireError("Handshake: " + "; ".join(problems))
     try:
@@ -385,6 +392,7 @@ def _handshake_json(m: Handshake) -> dict[str, Any]:
         "aux": [list(a) for a in m.aux],
         "status_host": m.status_host,
         "status_port": m.status_port,
+        "region_devices": list(m.region_devices),
     }
 
 

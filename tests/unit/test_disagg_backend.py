@@ -314,3 +314,16 @@ def test_dspark_decode_first_step_input_is_what_an_extend_returns(monkeypatch):
     assert info.draft_token_num == 5 and info.future_indices is None
     assert info.accept_tokens.tolist() == [11, 0, 0, 0, 0, 22, 0, 0, 0, 0]
     assert info.accept_lens.tolist() == [1, 1] and info.new_seq_lens is batch.seq_lens
+
+
+def test_peer_kinds_mark_the_consumer_regions_that_are_gpu_memory():
+    from dataclasses import replace
+
+    from sgl_atom.disagg.conn import peer_kinds
+
+    hs = _consumer(_pool())
+    assert peer_kinds(hs) == {}  # a CPU pool: every region host memory (NIXL DRAM)
+    devices = tuple((i % 3) - 1 for i in range(len(hs.regions)))  # host, cuda:0, cuda:1, ...
+    kinds = peer_kinds(replace(hs, region_devices=devices))
+    want = {a: ("VRAM", d) for a, d in zip(hs.region_addrs, devices, strict=True) if d >= 0}
+    assert kinds == want and len(kinds) == sum(d >= 0 for d in devices) > 0

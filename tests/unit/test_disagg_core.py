@@ -411,6 +411,7 @@ def _messages() -> list:
             tuple(range(len(regions))),
             "p0",
             bytes(range(256)) * 3,
+            region_devices=tuple(i % 3 - 1 for i in range(len(regions))),  # host, cuda:0, cuda:1
         ),
         Handshake("consumer", 3, 4, 0, 1, (0, 0), (), (), "", b""),
         TransferRequest(2**64 - 1, 3, (5, 0, 2**31 - 1), 1, 1),
@@ -459,7 +460,8 @@ class _Boom:
     [
         (b"", "shorter than"),
         (_frame({}, magic=b"NOPE"), "bad magic"),
-        (_frame({}, version=2), "version 2"),
+        (_frame({}, version=wire.VERSION + 1), f"version {wire.VERSION + 1}"),
+        (_frame({}, version=1), "version 1, this side speaks"),
         (_frame({}, code=9), "unknown message type 9"),
         (_frame({"room": 1, "status": "done", "error": ""})[:-1], "does not match"),
         (_frame({"room": 1.0, "status": "done", "error": ""}), "non-integer"),
@@ -488,13 +490,17 @@ def test_decode_refuses_bad_handshakes():
         ("tp_rank", 1, "rank tp 1/1"),
         ("stage_layers", [5, 3], "is not \\[first, end\\)"),
         ("region_addrs", [1, 2], "2 region_addrs for"),
+        ("region_devices", [0], "1 region_devices for"),
+        ("region_devices", [-2] * len(good["regions"]), "region_devices"),
         ("agent_metadata", "!!!", "not valid base64"),
     ]:
         with pytest.raises(WireError, match=match):
             decode(_frame({**good, key: value}, code=1))
     region = {**good["regions"][0], "runs_per_page": 5}
     with pytest.raises(WireError, match="runs_per_page 5 must divide"):
-        decode(_frame({**good, "regions": [region], "region_addrs": []}, code=1))
+        decode(
+            _frame({**good, "regions": [region], "region_addrs": [], "region_devices": []}, code=1)
+        )
 
 
 def _random_json(rng: random.Random, depth: int = 0):
