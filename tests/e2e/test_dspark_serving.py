@@ -56,17 +56,19 @@ def baseline(servers, chain_target):
     return ids
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
+# "fp8-tp2": the target at TP2 (its embedding and LM head gathered for the draft, which runs
+# whole on both ranks and proposes the same tokens on each)
+@pytest.fixture(scope="module", params=["bf16", "fp8", "fp8-tp2"])
 def spec_run(request, servers, chain_target, baseline):
-    dtype = request.param
-    args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics"]
-    srv = servers.start(chain_target, args, env=MODELS_ENV, name=f"dspark-{dtype}")
+    dtype, _, tp = request.param.partition("-tp")
+    args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1"]
+    srv = servers.start(chain_target, args, env=MODELS_ENV, name=f"dspark-{request.param}")
     before = _metrics(srv)
     ids, tpf = _run(srv)
     after = _metrics(srv)
     log = srv.log_text()
     srv.stop()
-    return dtype, ids, tpf, {"log": log, "metrics": (before, after)}
+    return request.param, ids, tpf, {"log": log, "metrics": (before, after)}
 
 
 def _metrics(srv) -> str:
@@ -96,14 +98,15 @@ def test_acceptance_logged_and_counted(spec_run):
 
 
 def test_draft_pool_dtype(spec_run, report):
-    dtype, _, _, out = spec_run
+    label, _, _, out = spec_run
+    dtype = label.partition("-")[0]
     m = POOL_LINE.search(out["log"])
     assert m, "the worker logs its draft pool"
     settled, _slots, per_token = m.group(1), int(m.group(2)), int(m.group(3))
     assert settled == dtype
     bf16_bytes = 2 * 2 * 2 * 64 * 2  # K+V, 2 layers, 2 KV heads, head_dim 64, 2 bytes
     expected = bf16_bytes if dtype == "bf16" else bf16_bytes // 2 + 2 * 2 * 2 * 4
-    report(f"ATOM_DSPARK draft pool {dtype}: {per_token} B/token (bf16: {bf16_bytes})")
+    report(f"ATOM_DSPARK draft pool {label}: {per_token} B/token (bf16: {bf16_bytes})")
     assert per_token == expected
 
 

@@ -40,6 +40,25 @@ logger = get_logger("sgl_atom.spec")
 LOG_EVERY = 32  # verify steps between two acceptance log lines
 
 
+def _whole_vocab(w: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The target's [vocab, hidden] embedding or LM head, whole on this rank.
+
+    Under TP SGLang shards both by vocabulary rows (padded to a multiple per rank); the draft
+    runs whole on every rank, so the shards are gathered once here and the padding dropped.
+    """
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size > 1:
+        w = group.all_gather(w.contiguous(), dim=0)
+    if w.shape[0] < vocab:
+        raise ValueError(
+            f"ATOM_DSPARK: the target's embedding/LM head has {w.shape[0]} rows after gathering "
+            f"the TP shards, fewer than its vocab_size {vocab}"
+        )
+    return w[:vocab]
+
+
 class AtomDSparkWorker(NGRAMWorker):
     """Drafts with an ``AtomDSparkDraftModel``; verification, KV moves and the scheduler relay
     are SGLang's chain/tree verify (inherited from its NGRAM worker, whose n-gram corpus is
@@ -68,7 +87,8 @@ class AtomDSparkWorker(NGRAMWorker):
                 f"draft's block size k={cfg.block_size} (verify window k + 1 = "
                 f"{cfg.block_size + 1}): drop the flag or set it to {cfg.block_size + 1}"
             )
-        self.embed, self.lm_head = target.get_embed_and_head()
+        vocab = int(target.config.vocab_size)
+        self.embed, self.lm_head = (_whole_vocab(w, vocab) for w in target.get_embed_and_head())
         self.stats = SpecStats(cfg.block_size)
         self.total = SpecStats(cfg.block_size)
         self.pool: DraftKVPool | None = None
