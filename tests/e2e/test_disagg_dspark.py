@@ -28,7 +28,7 @@ from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port
 
 PROMPTS = word_prompts(16, seed=31, min_words=4, max_words=16)
-MAX_NEW = 24
+MAX_NEW = 16
 ATOM = ["--attention-backend", "atom", "--chunked-prefill-size", "32"]
 SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_CHAIN)]
 FP8 = [*ATOM, *SPEC, "--spec-decode-kv-cache-dtype", "fp8"]

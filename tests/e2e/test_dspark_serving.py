@@ -21,7 +21,7 @@ from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.server import Server, ServerStartError
 
 PROMPTS = word_prompts(16, seed=7, min_words=4, max_words=24)
-MAX_NEW = 48
+MAX_NEW = 32
 ATOM = ["--attention-backend", "atom", "--chunked-prefill-size", "32"]
 SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_CHAIN)]
 FAST = {"SGL_ATOM_CPU_KERNELS": "reference"}
