@@ -299,6 +299,13 @@ def m3_variant(base: Path, out: Path, sparse: dict | None = None, **top) -> Path
     return out
 
 
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move a finished checkpoint ``tmp`` to ``out``, replacing what was there."""
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
 def _write_copy(base: Path, out: Path, cfg: dict, stamp: dict) -> None:
     """``base``'s files with ``cfg`` as config.json, built beside ``out`` and renamed into it."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -309,9 +316,7 @@ def _write_copy(base: Path, out: Path, cfg: dict, stamp: dict) -> None:
                 shutil.copy2(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         (tmp / STAMP).write_text(json.dumps(stamp))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -509,9 +514,7 @@ def build(out: Path, kind: str = "llama", log: Callable[[str], None] = print) ->
         make_model(tmp, vocab, spec)
         (tmp / STAMP).write_text(json.dumps({"kind": kind, "digest": _spec_digest(kind, spec)}))
         log("[tiny] 3/3 moving into place")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
