@@ -49,8 +49,10 @@ class ServerPool:
             return {name: f.result() for name, f in futs.items()}
 
     def stop_all(self) -> None:
+        """Stop every server side by side (a P/D server can take its whole SIGTERM grace)."""
+        with ThreadPoolExecutor(max(1, len(self.started))) as ex:
+            list(ex.map(lambda srv: srv.stop(), self.started))
         for srv in self.started:
-            srv.stop()
             assert srv.proc is None or srv.proc.poll() is not None, f"{srv.name} still running"
 
 

@@ -21,7 +21,7 @@ from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.server import Server, ServerStartError
 
 PROMPTS = word_prompts(16, seed=7, min_words=4, max_words=24)
-MAX_NEW = 32
+MAX_NEW = 48
 ATOM = ["--attention-backend", "atom", "--chunked-prefill-size", "32"]
 SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_CHAIN)]
 FAST = {"SGL_ATOM_CPU_KERNELS": "reference"}
@@ -68,7 +68,11 @@ def spec_run(request, servers, chain_target, baseline):
     after = _metrics(srv)
     log = srv.log_text()
     srv.stop()
+    _TPF[request.param] = tpf
     return request.param, ids, tpf, {"log": log, "metrics": (before, after)}
+
+
+_TPF: dict[str, list[float]] = {}  # tokens/forward per prompt of each spec_run, by its label
 
 
 def _metrics(srv) -> str:
@@ -87,6 +91,27 @@ def test_lossless(spec_run, baseline, report):
            f"speculation ({MAX_NEW} tokens each); tokens/forward {_tpf(tpf):.2f} "
            f"(halves {_tpf(tpf[:8]):.2f} / {_tpf(tpf[8:]):.2f})")
     assert ids == baseline
+
+
+@pytest.mark.parametrize("spec_run", ["fp8", "fp8-tp2"], indirect=True)
+def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, report):
+    """The same prompts in two runs of 8 (the halves): the fp8 pool's tokens/forward differs
+    from the bf16 pool's by no more than the spread between two runs of either."""
+    label, _, tpf, _ = spec_run
+    assert "bf16" in _TPF, "the bf16 run comes first in this module; run the module whole"
+    runs = {name: (_tpf(t[:8]), _tpf(t[8:])) for name, t in (("bf16", _TPF["bf16"]), (label, tpf))}
+    spread = max(abs(a - b) for a, b in runs.values())
+    gap = abs(_tpf(tpf) - _tpf(_TPF["bf16"]))
+    report(
+        f"ATOM_DSPARK tokens/forward, draft pool bf16 vs {label} over the same 16 prompts: "
+        f"{_tpf(_TPF['bf16']):.2f} vs {_tpf(tpf):.2f} (runs of 8: bf16 "
+        f"{runs['bf16'][0]:.2f} / {runs['bf16'][1]:.2f}, {label} {runs[label][0]:.2f} / "
+        f"{runs[label][1]:.2f})"
+    )
+    assert gap <= max(spread, 0.05 * _tpf(_TPF["bf16"])), (
+        f"{label} pool {_tpf(tpf):.2f} tokens/forward vs bf16 {_tpf(_TPF['bf16']):.2f}: a gap of "
+        f"{gap:.2f} is beyond the run-to-run spread {spread:.2f}"
+    )
 
 
 def test_acceptance_logged_and_counted(spec_run):
