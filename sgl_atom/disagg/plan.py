@@ -12,14 +12,17 @@ Head cuts: each side holds the global heads `heads_of_rank(total, tp, rank)`. A 
 heads both hold, in every run of every page: a producer holding more heads than the consumer rank
 sends the consumer's subset (split), one holding fewer writes at the consumer's head offset
 (merge); both at once happen when neither TP divides the other (6 heads, TP2 -> TP3). Where
-several producer ranks hold a head (heads < TP), one of them sends it. Replicated units go whole
-from producer rank `consumer_rank * producer_tp // consumer_tp`.
+several producer ranks hold a head (heads < TP), one of them sends it. Replicated regions (held
+whole on every rank: the index key's one head, a draft that runs whole on every rank with all its
+heads) go whole, every head, from exactly one producer rank, `consumer_rank * producer_tp //
+consumer_tp`, as whole pages where both sides' pages are laid out alike.
 
 Refused, each naming the region and both values: a region one side lacks; two producer regions
-on one consumer region; dtype, head_dim, unit bytes, total heads or replicated flag that differ;
-heads that do not divide over a TP size (3 heads over TP2) or a heads-per-rank that contradicts
-it; runs_per_page that differ at equal page sizes (page-16 declared as one run); page sizes that
-differ unless both sides' runs hold the same number of tokens.
+on one consumer region; dtype, head_dim, unit bytes, total heads or replicated flag (one side
+sharded, the other whole on every rank) that differ; heads that do not divide over a TP size (3
+heads over TP2) or a heads-per-rank that contradicts it; runs_per_page that differ at equal page
+sizes (page-16 declared as one run); page sizes that differ unless both sides' runs hold the
+same number of tokens.
 """
 
 from __future__ import annotations
@@ -300,13 +303,18 @@ def _appended_dtype_problems(producer, consumer):
 
 def _compat_problems(p: RegionDesc, p_tp: int, c: RegionDesc, c_tp: int) -> list[str]:
     out = []
-    for field in ("dtype", "head_dim", "total_heads", "replicated"):
+    for field in ("dtype", "head_dim", "total_heads"):
         pv, cv = getattr(p, field), getattr(c, field)
         if pv != cv:
             out.append(f"{p.name}: {field} producer {pv}, consumer {cv}")
+    if p.replicated != c.replicated:
+        out.append(
+            f"{p.name}: replicated producer {_held(p, p_tp)}, consumer {_held(c, c_tp)}; "
+            "both sides must hold it the same way"
+        )
     if not out and p.unit_bytes != c.unit_bytes:  # else it follows from a difference above
         out.append(f"{p.name}: unit_bytes producer {p.unit_bytes}, consumer {c.unit_bytes}")
-    if not p.replicated and p.total_heads == c.total_heads:
+    if not (p.replicated or c.replicated) and p.total_heads == c.total_heads:
         out += _head_problems(p, p_tp, "producer") + _head_problems(c, c_tp, "consumer")
     out += _page_problems(p, c)
     return out
@@ -353,7 +361,7 @@ def _plan_pair(p: RegionDesc, c: RegionDesc, ranks, refs) -> PairPlan | None:
     if p.replicated:
         if p_rank != c_rank * p_tp // c_tp:
             return None
-        heads = (0, 0, 1)
+        heads = (0, 0, p.heads_per_rank)
     else:
         heads = _head_cut(p.total_heads, p_rank, p_tp, c_rank, c_tp)
         if heads is None:
@@ -395,6 +403,12 @@ def _mode(p: RegionDesc, c: RegionDesc, n: int) -> str:
     return {(False, False): "whole", (True, False): "split", (False, True): "merge"}.get(
         (split, merge), "regroup"
     )
+
+
+def _held(r: RegionDesc, tp: int) -> str:
+    if r.replicated:
+        return f"True (all {r.total_heads} heads whole on every rank of TP{tp})"
+    return f"False ({r.heads_per_rank} of {r.total_heads} heads per rank of TP{tp})"
 
 
 def _runs(r: RegionDesc) -> str:

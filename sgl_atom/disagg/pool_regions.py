@@ -11,8 +11,9 @@ A speculative draft's own KV pool (``draft_pool``: per draft layer lists ``k``, 
 ``[slots, kv_heads, head_dim]`` indexed by the target's slot ids, plus ``k_scale``/``v_scale``
 ``[slots, kv_heads]`` when it is fp8) appends its regions after these: per draft layer
 ``draft_k``, ``draft_v`` and, for an fp8 draft, ``draft_k_scale``, ``draft_v_scale``, numbered
-inside the draft and paired from the end of the list by the planner. The draft is whole on
-every rank, so it is exported at TP1 only.
+inside the draft and paired from the end of the list by the planner. The draft runs whole on
+every TP rank (each rank holds every draft KV head), so its regions are replicated at any TP:
+each decode rank receives the whole draft rows from one prefill rank.
 
 A MiniMax-M3-style sparse model adds, per sparse layer that writes index keys, the atom
 backend's index cache (:class:`sgl_atom.attention.sparse.IndexCache`, hung off the pool):
@@ -127,7 +128,7 @@ def describe_pool(
         covers |= {INDEX_K_STATE}
     if draft_pool is not None:
         d_regions, d_tensors = describe_draft_pool(
-            draft_pool, tp_size=tp_size, page_size=int(pool.page_size), min_slots=len(k_bufs[0])
+            draft_pool, page_size=int(pool.page_size), min_slots=len(k_bufs[0])
         )
         regions += d_regions
         tensors += d_tensors
@@ -216,19 +217,15 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: str) 
 
 
 def describe_draft_pool(
-    draft: Any, *, tp_size: int, page_size: int, min_slots: int
+    draft: Any, *, page_size: int, min_slots: int
 ) -> tuple[list[RegionDesc], list[torch.Tensor]]:
-    """The draft pool's regions (appended kinds, draft layers 0..n-1) and their buffers."""
+    """The draft pool's regions (appended kinds, draft layers 0..n-1) and their buffers, each
+    replicated: the draft runs whole on every TP rank, so every rank holds all its KV heads."""
     name = type(draft).__name__
     ks, vs = list(getattr(draft, "k", None) or []), list(getattr(draft, "v", None) or [])
     k_sc, v_sc = list(getattr(draft, "k_scale", ())), list(getattr(draft, "v_scale", ()))
     if not ks or len(ks) != len(vs):
         raise RegionError(f"draft pool {name}: expected one K and one V buffer per draft layer")
-    if tp_size != 1:
-        raise RegionError(
-            f"draft pool {name}: the atom transfer backend moves a speculative draft's KV at "
-            f"TP1 only (the draft is whole on every rank); this rank is one of TP{tp_size}"
-        )
     dtype = canonical_dtype(str(ks[0].dtype))
     fp8 = dtype in FP8_DTYPES
     if fp8 and (len(k_sc) != len(ks) or len(v_sc) != len(ks)):
@@ -262,7 +259,7 @@ def describe_draft_pool(
                     f"got {t.dtype} {tuple(t.shape)} (contiguous={t.is_contiguous()})"
                 )
             regions.append(
-                RegionDesc(RegionKind(kind), i, dt, unit, heads, heads, tokens_per_page=page_size)
+                RegionDesc(RegionKind(kind), i, dt, unit, heads, heads, page_size, replicated=True)
             )
             tensors.append(t)
     return regions, tensors

@@ -10,6 +10,12 @@ Numbering: mapped regions are named by (kind, global layer), so a pipeline stage
 mapped region and paired from the END of each side's list (draft layers are numbered inside the
 draft, and the index of the first draft region differs per stage).
 
+Sharded or whole: a region's heads are either cut over the TP ranks as SGLang cuts KV heads
+(:func:`heads_of_rank`), or held whole on every rank (``replicated``: heads_per_rank ==
+total_heads). The sparse index key and its scale are always whole (1 head of 1); a draft region
+may be either: the ATOM_DSPARK draft runs whole on every TP rank, so its pool holds every draft
+KV head on every rank. Target K/V and their scales are always sharded.
+
 Nothing here imports torch or SGLang.
 """
 
@@ -43,8 +49,13 @@ class RegionKind(enum.StrEnum):
 
     @property
     def replicated(self) -> bool:
-        """One head on every TP rank, copied whole (the sparse index key and its scale)."""
+        """Always one head whole on every TP rank (the sparse index key and its scale)."""
         return self in (RegionKind.INDEX_K, RegionKind.INDEX_SCALE)
+
+    @property
+    def may_replicate(self) -> bool:
+        """Whole on every rank is allowed: always for the index key, by choice for a draft."""
+        return self.replicated or self.appended
 
     @property
     def is_scale(self) -> bool:
@@ -90,7 +101,9 @@ class RegionDesc:
     kind: what it holds. global_layer: the model's layer id (a draft's own layer id for draft
     kinds). dtype: torch's dtype name. head_dim: elements per (slot, head) entry: the head dim for
     K/V, the index dim for the index key, 1 for a per-(token, head) scale. heads_per_rank /
-    total_heads: heads this rank holds / the model holds (1 / 1 for a replicated unit).
+    total_heads: heads this rank holds / the model holds. replicated: every TP rank holds all
+    total_heads (heads_per_rank == total_heads; 1 / 1 for the index key, which always is; a
+    draft region may be, a target region never is).
     tokens_per_page: slots per page. runs_per_page: head-major runs per page (1: a head-major
     page; 8: page-16 sub-pages of a 128-token page); None: SGLang's token-major layout, i.e.
     one run per token. unit_bytes: bytes per (slot, head); defaults to head_dim * itemsize and
@@ -133,16 +146,7 @@ class RegionDesc:
             p.append(f"dtype {self.dtype!r} is not one of {', '.join(sorted(DTYPE_BYTES))}")
         if p:
             return p
-        if self.replicated != self.kind.replicated:
-            p.append(
-                f"replicated={self.replicated}, but {self.kind.value} regions are "
-                f"{'always' if self.kind.replicated else 'never'} replicated"
-            )
-        if self.replicated and (self.heads_per_rank, self.total_heads) != (1, 1):
-            p.append(
-                f"a replicated unit has 1 head of 1, got {self.heads_per_rank} of "
-                f"{self.total_heads}"
-            )
+        p += self._replication_problems()
         if self.heads_per_rank > self.total_heads:
             p.append(f"heads_per_rank {self.heads_per_rank} exceeds total_heads {self.total_heads}")
         runs = self.runs_per_page
@@ -156,6 +160,18 @@ class RegionDesc:
                 f"{DTYPE_BYTES[self.dtype]} bytes of {self.dtype}"
             )
         return p
+
+    def _replication_problems(self) -> list[str]:
+        kind, got = self.kind.value, f"{self.heads_per_rank} of {self.total_heads}"
+        if self.replicated and not self.kind.may_replicate:
+            return [f"replicated=True, but {kind} regions are never replicated"]
+        if self.kind.replicated and not self.replicated:
+            return [f"replicated=False, but {kind} regions are always replicated"]
+        if self.kind.replicated and (self.heads_per_rank, self.total_heads) != (1, 1):
+            return [f"a replicated {kind} unit has 1 head of 1, got {got}"]
+        if self.replicated and self.heads_per_rank != self.total_heads:
+            return [f"a replicated region holds all its heads on every rank, got {got}"]
+        return []
 
     @property
     def name(self) -> str:
@@ -226,6 +242,7 @@ def build_rank_regions(
     draft_kv_heads: int | None = None,
     draft_head_dim: int | None = None,
     draft_runs_per_page: int | None = None,
+    draft_whole: bool = False,
 ) -> list[RegionDesc]:
     """The regions of one rank, in the order it exports them.
 
@@ -235,7 +252,8 @@ def build_rank_regions(
     and index_scale when the index key is fp8. Then the draft pool (draft_layers > 0, normally
     on the last stage only): draft_k, draft_v and, when fp8_scales and the draft is fp8, their
     scales, at draft_dtype (default dtype) with draft_kv_heads/draft_head_dim defaulting to the
-    target's.
+    target's. draft_whole: every rank holds all draft heads (replicated, as the ATOM_DSPARK
+    draft runs); otherwise the draft's heads are sharded like the target's.
     """
     dtype = canonical_dtype(dtype)
     if fp8_scales and dtype not in FP8_DTYPES:
@@ -258,7 +276,7 @@ def build_rank_regions(
     if draft_layers:
         d_dtype = canonical_dtype(draft_dtype or dtype)
         d_heads = draft_kv_heads or kv_heads
-        _, d_per = heads_of_rank(d_heads, tp_size, tp_rank)
+        d_per = d_heads if draft_whole else heads_of_rank(d_heads, tp_size, tp_rank)[1]
         d_scales = fp8_scales and d_dtype in FP8_DTYPES
         for layer in range(draft_layers):
             out += _kv_regions(
@@ -271,19 +289,20 @@ def build_rank_regions(
                 draft_runs_per_page,
                 d_scales,
                 page,
+                replicated=draft_whole,
             )
     return out
 
 
-def _kv_regions(which, layer, dtype, head_dim, per, total, runs, scales, page):
+def _kv_regions(which, layer, dtype, head_dim, per, total, runs, scales, page, replicated=False):
     k, v = ("target_k", "target_v") if which == "target" else ("draft_k", "draft_v")
     ks, vs = ("k_scale", "v_scale") if which == "target" else ("draft_k_scale", "draft_v_scale")
     kinds = [(k, dtype, head_dim), (v, dtype, head_dim)]
+    layout = dict(runs_per_page=runs, replicated=replicated, **page)
     if scales:
         kinds += [(ks, SCALE_DTYPE, 1), (vs, SCALE_DTYPE, 1)]
     return [
-        RegionDesc(RegionKind(kind), layer, dt, hd, per, total, runs_per_page=runs, **page)
-        for kind, dt, hd in kinds
+        RegionDesc(RegionKind(kind), layer, dt, hd, per, total, **layout) for kind, dt, hd in kinds
     ]
 
 

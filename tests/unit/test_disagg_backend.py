@@ -164,13 +164,8 @@ def test_describe_pool_adds_fp8_scales_hung_off_the_pool():
             dict(tp_rank=0, tp_size=1, total_kv_heads=2, draft_pool=object()),
             "draft pool object: expected one K and one V buffer per draft layer",
         ),
-        (
-            _pool(heads=1),
-            dict(tp_rank=0, tp_size=2, total_kv_heads=2, draft_pool=_draft("fp8")),
-            "at TP1 only",
-        ),
     ],
-    ids=["heads-per-rank", "not-mha", "not-a-draft-pool", "draft-at-tp2"],
+    ids=["heads-per-rank", "not-mha", "not-a-draft-pool"],
 )
 def test_describe_pool_refuses_what_it_cannot_move(pool, kw, match):
     with pytest.raises(RegionError, match=match):
@@ -266,7 +261,8 @@ def test_plan_for_peer_moves_a_matching_draft_pool_with_the_target():
     assert len(plan.pairs) == 8 + 8
     draft_pairs = [p for p in plan.pairs if p.name.startswith("draft_")]
     assert [p.consumer_index for p in draft_pairs] == list(range(8, 16))
-    assert {p.mode for p in draft_pairs} == {"whole"}
+    # the draft is whole on every rank: replicated units, each page one copy
+    assert {(p.mode, p.whole_pages) for p in draft_pairs} == {("replicated", True)}
 
 
 def test_plan_for_peer_refuses_a_draft_dtype_mismatch_naming_region_and_values():
