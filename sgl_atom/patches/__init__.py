@@ -132,6 +132,18 @@ LEDGER: tuple[LedgerEntry, ...] = (
         remove_when="KVArgs (or the manager's constructor) carries the KV pool",
     ),
     LedgerEntry(
+        module="sgl_atom.patches.pp_spec_compat",
+        target="sglang.srt.arg_groups.validation_hook.check_pipeline_parallel_compat",
+        why=(
+            "Under --pp-size > 1 SGLang asserts the speculative algorithm is its DSPARK or "
+            "EAGLE, so ATOM_DSPARK on a PP prefill server fails start-up. The AROUND hook runs "
+            "the original with the algorithm hidden for ATOM_DSPARK (the other PP checks still "
+            "run); its own PP rules are in AtomDSparkAlgo.handle_server_args."
+        ),
+        upstream="sglang 0.5.23 srt/arg_groups/validation_hook.py check_pipeline_parallel_compat",
+        remove_when="SGLang asks a registered speculative algorithm whether it supports PP",
+    ),
+    LedgerEntry(
         module="sgl_atom.patches.m3_atom_unwrapped",
         target="sglang.srt.layers.attention.attention_registry.attn_backend_wrapper",
         why=(

@@ -34,6 +34,31 @@ def _draft_block_size(path: str | None) -> int:
         return DSparkDraftConfig.from_hf_dict(json.load(f)).block_size
 
 
+def check_pipeline_parallel(server_args) -> None:
+    """``--pp-size`` > 1: only a P/D prefill server, whose draft never proposes.
+
+    There the draft (on the last stage) only writes its context K/V, from taps that the earlier
+    stages send along with the pipeline payload (:mod:`sgl_atom.spec.dspark.pp_taps`). A
+    unified or decode server would verify under PP, which this worker does not do.
+    """
+    pp, mode = server_args.pp_size, server_args.disaggregation_mode
+    if mode != "prefill":
+        raise ValueError(
+            f"{NAME} with --pp-size {pp} needs --disaggregation-mode prefill (got {mode!r}): "
+            "under pipeline parallelism the draft only writes its context K/V on a P/D "
+            "prefill server, it never drafts there; serve a unified or decode server at "
+            "--pp-size 1 (use --tp-size to spread it over more devices)"
+        )
+    from sglang.srt.environ import envs as sglang_envs
+
+    if sglang_envs.SGLANG_ENABLE_PP_SPEC.get():
+        raise ValueError(
+            f"{NAME} with --pp-size {pp}: unset SGLANG_ENABLE_PP_SPEC; that relay carries an "
+            f"EAGLE draft tree and builds no draft worker on the earlier stages, which {NAME} "
+            "needs to send its taps to the last stage"
+        )
+
+
 class AtomDSparkAlgo(CustomSpecAlgo):
     def is_ngram(self) -> bool:
         return True
@@ -51,9 +76,14 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
     ):
         from sglang.srt.managers.overlap_utils import FutureMap
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+        # Under PP (a P/D prefill, which never decodes) every stage stashes the relayed first
+        # token as a server without a draft does; the n-gram relay wants accept tokens there.
+        spec = self if get_parallel().pp_size == 1 else SpeculativeAlgorithm.NONE
         return FutureMap(
-            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+            device, spec, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
         )
 
     def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
@@ -98,10 +128,7 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         if getattr(server_args, "enable_dp_attention", False):
             raise ValueError(f"{NAME} does not support --enable-dp-attention yet")
         if server_args.pp_size > 1:
-            raise ValueError(
-                f"{NAME} with --pp-size {server_args.pp_size}: the draft lives on the last "
-                "stage; pipeline-parallel serving with a draft is not supported yet"
-            )
+            check_pipeline_parallel(server_args)
         server_args.speculative_num_draft_tokens = k + 1
         server_args.speculative_num_steps = k
         server_args.speculative_eagle_topk = 1
@@ -120,6 +147,9 @@ def register() -> str:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
+    from ...patches import pp_spec_compat
+
     if get_spec(NAME) is None:
         SpeculativeAlgorithm.register(NAME, spec_class=AtomDSparkAlgo)(_worker_factory)
+    pp_spec_compat.install()  # SGLang's PP check knows EAGLE and DSPARK only
     return f"speculative_algorithm:{NAME}"

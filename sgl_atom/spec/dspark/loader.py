@@ -1,5 +1,12 @@
 """Build the DSpark draft from its checkpoint through SGLang's model registry, and arm the
-target's tap layers."""
+target's tap layers.
+
+The taps are the draft config's ``dspark_target_layer_ids`` (a declared tap set). A draft class
+may instead pick and arm the target's taps itself (a ``arm_target_taps(target)`` method, as
+EAGLE3 heads do); such a draft is refused under pipeline parallelism, where the earlier stages
+must know from the config alone which layers to send to the last stage
+(:mod:`sgl_atom.spec.dspark.pp_taps`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from ...log import get_logger
 
 logger = get_logger("sgl_atom.spec")
 PACKAGE_HINT = "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"
+MODEL_ARMED = "arm_target_taps"  # a draft class method that picks and arms the taps itself
 
 
 def _draft_class(path: str, arch: str):
@@ -39,33 +47,87 @@ def _read_weights(path: str):
         yield from load_file(f).items()
 
 
-def arm_taps(target: torch.nn.Module, layer_ids: tuple[int, ...], num_layers: int) -> None:
-    """Make the target capture the outputs of ``layer_ids`` (HF ids) in every forward."""
-    if max(layer_ids) >= num_layers - 1:
-        raise ValueError(
-            f"dspark_target_layer_ids={list(layer_ids)}: the target has {num_layers} layers and "
-            f"its last layer's output is not capturable; use ids below {num_layers - 1}"
-        )
-    arm = getattr(target, "set_dflash_layers_to_capture", None)
-    if arm is None:
-        raise ValueError(
-            f"target model class {type(target).__name__} cannot expose layer taps "
-            "(no set_dflash_layers_to_capture): ATOM_DSPARK needs a target that can"
-        )
-    arm(list(layer_ids))
-
-
-def load_draft(path: str | None, target: torch.nn.Module, device) -> torch.nn.Module:
-    """The draft model on ``device`` in the target's dtype, checked against the target."""
+def read_config(path: str | None) -> dict:
+    """The draft checkpoint's config.json."""
     if not path:
         raise ValueError(
             "--speculative-algorithm ATOM_DSPARK needs --speculative-draft-model-path "
             "(a DSpark draft checkpoint)"
         )
     with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
+        return json.load(f)
+
+
+def check_taps_declared(cls: type, pp_size: int) -> None:
+    """Under PP only a tap set declared in the draft config travels between stages."""
+    if pp_size > 1 and callable(getattr(cls, MODEL_ARMED, None)):
+        raise ValueError(
+            f"ATOM_DSPARK with --pp-size {pp_size}: draft class {cls.__name__} arms the target's "
+            f"taps itself ({MODEL_ARMED}), so the earlier pipeline stages cannot know which "
+            "layers to send to the last stage, where the draft lives; only a tap set declared "
+            "in the draft config (dspark_target_layer_ids) travels with the pipeline payload. "
+            "Use a draft that declares its taps, or serve without --pp-size"
+        )
+
+
+def _check_capturable(layer_ids: tuple[int, ...], num_layers: int) -> None:
+    if max(layer_ids) >= num_layers - 1:
+        raise ValueError(
+            f"dspark_target_layer_ids={list(layer_ids)}: the target has {num_layers} layers and "
+            f"its last layer's output is not capturable; use ids below {num_layers - 1}"
+        )
+
+
+def relay_stage_taps(path: str | None, target: torch.nn.Module, pp_size: int):
+    """On a pipeline stage before the last: no draft, only its taps sent on to the last stage.
+
+    Reads the draft config (not its weights) and returns the installed
+    :class:`~sgl_atom.spec.dspark.pp_taps.StageTapRelay`.
+    """
+    from .config import DSparkDraftConfig
+    from .pp_taps import StageTapRelay
+
+    raw = read_config(path)
+    check_taps_declared(_draft_class(path, (raw.get("architectures") or ["<none>"])[0]), pp_size)
+    taps = DSparkDraftConfig.from_hf_dict(raw).target_layer_ids
+    _check_capturable(taps, int(target.config.num_hidden_layers))
+    relay = StageTapRelay(target, taps)
+    logger.info("ATOM_DSPARK PP stage: no draft here; taps %s sent on", list(relay.own))
+    return relay
+
+
+def arm_taps(
+    target: torch.nn.Module, layer_ids: tuple[int, ...], num_layers: int, start: int = 0
+) -> tuple[int, ...]:
+    """Make the target capture the outputs of ``layer_ids`` (HF ids) its stage holds (layers
+    ``start`` onwards; all of them without PP) in every forward; returns those ids."""
+    from .pp_taps import taps_on_stage
+
+    _check_capturable(layer_ids, num_layers)
+    local = taps_on_stage(layer_ids, start, num_layers)
+    if not local:  # every tap arrives from earlier stages
+        return local
+    arm = getattr(target, "set_dflash_layers_to_capture", None)
+    if arm is None:
+        raise ValueError(
+            f"target model class {type(target).__name__} cannot expose layer taps "
+            "(no set_dflash_layers_to_capture): ATOM_DSPARK needs a target that can"
+        )
+    arm(list(local))
+    return local
+
+
+def load_draft(
+    path: str | None, target: torch.nn.Module, device, pp_size: int = 1
+) -> torch.nn.Module:
+    """The draft model on ``device`` in the target's dtype, checked against the target; on the
+    last pipeline stage under PP, the taps this stage holds are armed (the others arrive)."""
+    from .pp_taps import stage_layers
+
+    raw = read_config(path)
     arch = (raw.get("architectures") or ["<none>"])[0]
     cls = _draft_class(path, arch)
+    check_taps_declared(cls, pp_size)
     from transformers import PretrainedConfig
 
     model = cls(PretrainedConfig.from_dict(raw))
@@ -84,7 +146,10 @@ def load_draft(path: str | None, target: torch.nn.Module, device) -> torch.nn.Mo
             list(taps),
             list(model.dspark.target_layer_ids),
         )
-    arm_taps(target, taps, num_layers)
+    if callable(getattr(model, MODEL_ARMED, None)):
+        getattr(model, MODEL_ARMED)(target)
+    else:
+        arm_taps(target, taps, num_layers, stage_layers(target)[0])
     dtype = next(target.parameters()).dtype
     model.place(device, dtype)
     cfg = model.dspark

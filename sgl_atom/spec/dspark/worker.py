@@ -13,6 +13,18 @@ Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
 Writing context is separate from proposing: a step that never proposes (a P/D producer) still
 keeps the draft's context complete. Acceptance and tokens per forward go to the log every
 ``LOG_EVERY`` verify steps and to SGLang's own speculative metrics through ``accept_lens``.
+
+A P/D producer (``--disaggregation-mode prefill``) only runs extends: the target forward, the
+draft's context K/V write and the target step's result. It never proposes, so it does not
+gather the target's embedding and LM head.
+
+Under ``--pp-size`` > 1 (P/D prefill only, see ``algorithm.check_pipeline_parallel``) SGLang
+builds this worker on every stage. Only the last stage loads the draft and its pool; an earlier
+stage runs the target step alone and sends its taps on with the pipeline payload
+(:mod:`sgl_atom.spec.dspark.pp_taps`); the last stage puts them before its own. No stage runs a
+draft warm-up or an idle forward of its own (the draft runs eagerly, captures no graph, and a
+prefill server has no DP attention), so every stage runs exactly the forwards the scheduler
+gives the last stage: SGLang's warm-up request and real batches, on the same rows.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.runtime_context import get_device, get_schedule, get_spec
+from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get_schedule, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
@@ -33,8 +45,9 @@ from ...disagg.draft_registry import register_draft_pool
 from ...log import get_logger
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
-from .loader import load_draft
+from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool
+from .pp_taps import assemble_taps, stage_layers, taps_on_stage
 
 logger = get_logger("sgl_atom.spec")
 LOG_EVERY = 32  # verify steps between two acceptance log lines
@@ -79,20 +92,31 @@ class AtomDSparkWorker(NGRAMWorker):
         self.grammar_tree_host = None
         self.max_trie_depth = 0
         target = self.model_runner.model
-        self.draft = load_draft(get_spec().speculative_draft_model_path, target, self.device)
+        path, pp = get_spec().speculative_draft_model_path, get_parallel()
+        self.pool: DraftKVPool | None = None
+        self.producer = get_disagg().disaggregation_mode == "prefill"
+        self.holds_draft = pp.pp_group.is_last_rank
+        if not self.holds_draft:  # an earlier PP stage: the target step and its taps only
+            self.draft, self.relay = None, relay_stage_taps(path, target, pp.pp_size)
+            return
+        self.draft = load_draft(path, target, self.device, pp.pp_size)
+        self.stage_start = stage_layers(target)[0]
         cfg = self.draft.dspark
+        num_layers = int(target.config.num_hidden_layers)
+        self._local_taps = bool(taps_on_stage(cfg.target_layer_ids, self.stage_start, num_layers))
         if self.draft_token_num != cfg.block_size + 1:
             raise ValueError(
                 f"--speculative-num-draft-tokens {self.draft_token_num} does not match the "
                 f"draft's block size k={cfg.block_size} (verify window k + 1 = "
                 f"{cfg.block_size + 1}): drop the flag or set it to {cfg.block_size + 1}"
             )
-        vocab = int(target.config.vocab_size)
-        self.embed, self.lm_head = (_whole_vocab(w, vocab) for w in target.get_embed_and_head())
+        self.embed = self.lm_head = None  # a producer never proposes
+        if not self.producer:
+            vocab = int(target.config.vocab_size)
+            self.embed, self.lm_head = (_whole_vocab(w, vocab) for w in target.get_embed_and_head())
         self.stats = SpecStats(cfg.block_size)
         self.total = SpecStats(cfg.block_size)
-        self.pool: DraftKVPool | None = None
-        self.propose_enabled = True
+        self.propose_enabled = not self.producer
         self.stale_context = envs.SGL_ATOM_DSPARK_FAULT.get() == "stale-context"
         if self.stale_context:
             name = envs.SGL_ATOM_DSPARK_FAULT.name
@@ -102,6 +126,8 @@ class AtomDSparkWorker(NGRAMWorker):
 
     def alloc_memory_pool(self, **kwargs) -> None:
         super().alloc_memory_pool(**kwargs)
+        if not self.holds_draft:
+            return
         cfg = self.draft.dspark
         dk = draft_kv_config(self.server_args)
         settled = dk.settled if dk is not None else "auto"
@@ -213,8 +239,10 @@ class AtomDSparkWorker(NGRAMWorker):
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL
         )
+        if not self.holds_draft:  # the payload, with this stage's taps, goes to the next stage
+            return result
         if batch.forward_mode.is_extend() and result.logits_output is not None:
-            self._write_extend_context(batch, result.logits_output.hidden_states)
+            self._write_extend_context(batch, self._taps(result, pp_proxy_tensors))
         bs = len(batch.reqs)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
         if bs:
@@ -222,7 +250,23 @@ class AtomDSparkWorker(NGRAMWorker):
         new_seq_lens = batch.seq_lens.clone()
         if on_publish is not None:
             on_publish(new_seq_lens)
-        return self._result(result, result.next_token_ids, accept_tokens, None, new_seq_lens)
+        out = self._result(result, result.next_token_ids, accept_tokens, None, new_seq_lens)
+        if get_parallel().pp_size > 1:
+            # Under PP every stage rebuilds the batch result from the relayed outputs, with no
+            # draft input for an algorithm SGLang does not know; the prefill result processor
+            # asserts the batch's spec_info is that one. A producer never drafts from it.
+            out.next_draft_input = None
+        return out
+
+    def _taps(self, result, pp_proxy_tensors) -> torch.Tensor:
+        """[tokens, num_taps * hidden] in draft-config order: relayed taps, then this stage's."""
+        cfg = self.draft.dspark
+        if get_parallel().pp_size == 1:
+            return result.logits_output.hidden_states
+        local = result.logits_output.hidden_states if self._local_taps else None
+        return assemble_taps(
+            cfg.target_layer_ids, self.stage_start, cfg.tap_hidden_size, pp_proxy_tensors, local
+        )
 
     def _decode_step(self, batch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         self._prepare_for_speculative_decoding(batch)
