@@ -6,10 +6,17 @@ own index cache, scores each 128-token block by the max over its causally visibl
 and attends over the selected blocks only. With ``use_index_cache``, sparse layers whose ordinal
 does not hit ``index_topk_freq`` reuse the last selection of the same forward and write no
 index key; a reuse with nothing to reuse is an error.
+
+Pipeline parallelism: a stage holds sparse layers ``[start_layer, end_layer)`` (global ids) and
+the index cache of those only. A stage whose first sparse layers reuse the selection of a layer on
+an earlier stage receives it with the stage's hidden states: :meth:`SparseAttention.pp_export`
+adds the forward's latest selection to the outgoing ``PPProxyTensors``,
+:meth:`SparseAttention.pp_import` stores it on the next stage before its first layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +29,8 @@ SUPPORTED_SCORE_TYPES = ("max",)
 SUPPORTED_HEAD_DIMS = (128,)
 _INDEX_ATTR = "_sgl_atom_index_cache"
 LOG_EVERY = 64  # sparse layer steps between two log lines of the skipped-block counts
+# PPProxyTensors keys of the selection handed to the next pipeline stage
+PP_SELECTED, PP_COUNT, PP_SCORED_BY = "sparse_selected", "sparse_count", "sparse_scored_by"
 
 
 class SparseConfigError(ValueError):
@@ -197,9 +206,34 @@ class SparseAttention:
         self.index = IndexCache.for_pool(backend.token_to_kv_pool, cfg, index_dtype)
         self.holder = TopkHolder()
         self.stats = SparseStats()
+        # (ordinal, selected, count) last stored in the holder in this forward
+        self.latest: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def begin_forward(self) -> None:
         self.holder.clear()
+        self.latest = None
+
+    def _keep(self, ordinal: int, selected: torch.Tensor, count: torch.Tensor) -> None:
+        self.holder.store(ordinal, selected, count)
+        self.latest = (ordinal, selected, count)
+
+    def pp_export(self) -> dict[str, torch.Tensor]:
+        """This forward's latest selection for the next pipeline stage: ``sparse_selected``
+        [tokens, kv_heads, topk] int32, ``sparse_count`` [tokens, kv_heads] int32,
+        ``sparse_scored_by`` [1] int64 (the sparse ordinal that scored it); empty without
+        ``use_index_cache`` (no layer reuses) or when no layer of this stage scored."""
+        if not self.cfg.use_index_cache or self.latest is None:
+            return {}
+        ordinal, selected, count = self.latest
+        scored_by = torch.tensor([ordinal], dtype=torch.int64, device=selected.device)
+        return {PP_SELECTED: selected, PP_COUNT: count, PP_SCORED_BY: scored_by}
+
+    def pp_import(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Store the previous stage's selection (``pp_export``'s keys), if it sent one, so this
+        stage's first sparse layers can reuse it."""
+        if PP_SELECTED in tensors:
+            ordinal = int(tensors[PP_SCORED_BY][0])
+            self._keep(ordinal, tensors[PP_SELECTED], tensors[PP_COUNT])
 
     def forward(self, q, k, v, index_q, index_k, layer, forward_batch, save_kv_cache=True):
         """q [tokens, q_heads*d]; index_q [tokens, kv_heads, index_dim]; index_k [tokens,
@@ -239,10 +273,11 @@ class SparseAttention:
 
         if cfg.scores(lid):
             selected, count = score()
-            self.holder.store(ordinal, selected, count)
+            self._keep(ordinal, selected, count)
         else:
             selected, count = self.holder.reuse(ordinal, ntok)
         self._count(meta, count, decode)
+        selected, count = _rank_heads(selected, count, layer.tp_k_head_num)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         kc, vc, ks, vs = be._cache(layer)
         o = be.ops.sparse_attn(
@@ -289,3 +324,22 @@ class SparseAttention:
                 st.visible_blocks,
                 st.skipped_blocks,
             )
+
+
+def _rank_heads(selected: torch.Tensor, count: torch.Tensor, local_kv_heads: int):
+    """The selection rows of this TP rank's KV heads.
+
+    Every rank scores all KV heads (the index projections are replicated, one index query per
+    KV head), so the selection is the same on every rank; under ``--tp-size`` > 1 a rank
+    attends only with its own KV heads, cut as SGLang cuts them.
+    """
+    total = int(selected.shape[1])
+    if total == local_kv_heads:
+        return selected, count
+    from sglang.srt.runtime_context import get_parallel
+
+    from ..disagg.regions import heads_of_rank
+
+    par = get_parallel()
+    start, n = heads_of_rank(total, par.tp_size, par.tp_rank)
+    return selected[:, start : start + n].contiguous(), count[:, start : start + n].contiguous()

@@ -23,11 +23,20 @@ stream entering layer ``i + 1`` (``h + residual``, as the input norm's fused add
 the last layer's output is not capturable. A forward whose ``capture_hidden_mode`` asks for
 hidden states hands the captures to the LogitsProcessor, which packs them ``[tokens, taps *
 hidden]`` into ``hidden_states``; a forward that does not ask runs as without taps.
+
+Pipeline parallelism (``--pp-size``): a stage builds layers ``[start_layer, end_layer)`` (SGLang's
+``make_pp_layers``; ``PPMissingLayer`` elsewhere), the embedding on the first stage, the final
+norm and LM head on the last. A stage that is not the last returns ``PPProxyTensors`` with
+``hidden_states`` and ``residual`` (the residual stream before the next layer's fused add),
+plus, with ``use_index_cache``, the atom backend's latest top-k selection (``pp_export`` in
+:mod:`sgl_atom.attention.sparse`), which the next stage's first sparse layers may reuse. Taps
+under PP: see :class:`StageTaps`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +54,14 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.moe.topk import StandardTopKOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.utils import PPMissingLayer
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
+from sglang.srt.utils.common import make_pp_layers
 from sglang.srt.utils.hf_transformers_utils import get_rope_config
 from torch import nn
 
@@ -196,7 +209,6 @@ class M3Attention(nn.Module):
         theta, scaling = get_rope_config(config)
         self.layer_id, self.head_dim = layer_id, hd
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         self.qkv_proj = QKVParallelLinear(
             h,
             hd,
@@ -206,8 +218,17 @@ class M3Attention(nn.Module):
             prefix=add_prefix("qkv_proj", prefix),
         )
         self.o_proj = RowParallelLinear(
-            self.q_size, h, bias=False, prefix=add_prefix("o_proj", prefix)
+            self.num_heads * hd, h, bias=False, prefix=add_prefix("o_proj", prefix)
         )
+        # this TP rank's heads (SGLang's cut: KV heads replicated when TP exceeds them)
+        tp = get_parallel().tp_size
+        if self.num_heads % tp or (self.num_kv_heads % tp and tp % self.num_kv_heads):
+            raise M3ServingError(
+                f"--tp-size {tp} does not divide num_attention_heads {self.num_heads} / "
+                f"num_key_value_heads {self.num_kv_heads}: use a TP size that divides them"
+            )
+        local_heads, local_kv = self.num_heads // tp, max(1, self.num_kv_heads // tp)
+        self.q_size, self.kv_size = local_heads * hd, local_kv * hd
         self.rotary_emb = get_rope(
             hd,
             rotary_dim=getattr(config, "rotary_dim", hd),
@@ -218,10 +239,10 @@ class M3Attention(nn.Module):
         )
         self.q_norm, self.k_norm = _norm(config, hd), _norm(config, hd)
         self.attn = RadixAttention(
-            self.num_heads,
+            local_heads,
             hd,
             hd**-0.5,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=local_kv,
             layer_id=layer_id,
             prefix=add_prefix("attn", prefix),
         )
@@ -279,45 +300,111 @@ class M3DecoderLayer(nn.Module):
         self.input_layernorm = _norm(config, h)
         self.post_attention_layernorm = _norm(config, h)
 
-    def forward(self, positions, h, residual, forward_batch, capture=None):
-        """``capture``, when given, receives the residual stream entering this layer (the
-        previous layer's output), borrowed."""
+    def forward(self, positions, h, residual, forward_batch, capture_output=None):
+        """``capture_output``, when given, receives the residual stream entering this layer (the
+        previous layer's output), borrowed (Llama's hook name: sgl_atom.spec.dspark.pp_taps
+        wraps it on earlier pipeline stages)."""
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        if capture is not None:
-            capture(residual)
+        if capture_output is not None:
+            capture_output(residual)
         x = self.self_attn(positions, x, forward_batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
+class StageTaps(dict):
+    """The taps one forward of one pipeline stage captured: ``{HF layer id: [tokens, hidden]}``.
+
+    The output of HF layer ``i`` is the residual stream entering layer ``i + 1``, so the stage
+    holding layer ``i + 1`` captures it (a stage's first layer's input is the previous stage's
+    output): every armed tap is captured on exactly one stage. A stage that is not the last
+    leaves them in :attr:`MiniMaxM3SparseForCausalLM.stage_taps`; the last stage hands the
+    LogitsProcessor, in HF order, its own and those given as ``carried_taps``, and only those
+    (as SGLang's Llama: a relay such as sgl_atom.spec.dspark.pp_taps puts the earlier stages'
+    taps before them). Carrying taps between stages is not done here.
+    """
+
+    def capture_for(self, hf_layer: int):
+        """A ``capture(hidden)`` callable that records a copy as HF layer ``hf_layer``'s output."""
+        return partial(self._put, hf_layer)
+
+    def _put(self, hf_layer: int, hidden: torch.Tensor) -> None:
+        self[hf_layer] = hidden.clone()
+
+
 class M3Model(nn.Module):
+    # class-level defaults: whole model, no sparse layers (tests build the stack by hand)
+    sparse: SparseConfig | None = None
+
     def __init__(self, config, sparse: SparseConfig | None, prefix: str = ""):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=add_prefix("embed_tokens", prefix)
+        pp = get_parallel().pp_group
+        self.sparse = sparse
+        self.embed_tokens = (
+            VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=add_prefix("embed_tokens", prefix)
+            )
+            if pp.is_first_rank
+            else PPMissingLayer()
         )
-        self.layers = nn.ModuleList(
-            M3DecoderLayer(config, i, sparse, add_prefix(f"layers.{i}", prefix))
-            for i in range(config.num_hidden_layers)
+        self.layers, self.start_layer, self.end_layer = make_pp_layers(
+            config.num_hidden_layers,
+            lambda idx, prefix: M3DecoderLayer(config, idx, sparse, prefix),
+            prefix=add_prefix("layers", prefix),
         )
-        self.norm = _norm(config, config.hidden_size)
-        self.start_layer, self.end_layer = 0, config.num_hidden_layers
+        self.norm = (
+            _norm(config, config.hidden_size)
+            if pp.is_last_rank
+            else PPMissingLayer(return_tuple=True)
+        )
         # layers whose input residual stream is captured (llama's convention: HF id + 1)
         self.layers_to_capture: list[int] = []
 
-    def forward(self, input_ids, positions, forward_batch, input_embeds=None, aux=None):
-        """Final hidden states; with ``aux`` (an ``AuxHiddenStateList``), the residual stream
-        entering each layer of ``layers_to_capture`` is appended to it, in layer order."""
-        h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        residual = None
-        for i, layer in enumerate(self.layers):
-            capture = aux.capture if aux is not None and i in self.layers_to_capture else None
-            h, residual = layer(positions, h, residual, forward_batch, capture)
+    @property
+    def is_last_stage(self) -> bool:
+        return self.end_layer == len(self.layers)
+
+    def forward(
+        self,
+        input_ids,
+        positions,
+        forward_batch,
+        input_embeds=None,
+        aux=None,
+        pp_proxy_tensors=None,
+    ):
+        """This stage's layers. ``aux``: an ``AuxHiddenStateList`` (taps appended in layer order)
+        or a :class:`StageTaps` (keyed by HF layer id) receiving the residual stream entering
+        each held layer of ``layers_to_capture``. Returns the final hidden states on the last
+        stage, else ``PPProxyTensors`` for the next stage (see the module docstring)."""
+        if self.start_layer == 0:
+            h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+            residual = None
+        else:
+            h, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
+            if self._reuses_selection():
+                _backend(forward_batch).sparse.pp_import(pp_proxy_tensors.tensors)
+        for i in range(self.start_layer, self.end_layer):
+            capture = None
+            if aux is not None and i in self.layers_to_capture:
+                capture = aux.capture_for(i - 1) if isinstance(aux, StageTaps) else aux.capture
+            h, residual = self.layers[i](
+                positions, h, residual, forward_batch, capture_output=capture
+            )
+        if not self.is_last_stage:
+            out = {"hidden_states": h, "residual": residual}
+            if self._reuses_selection():
+                out.update(_backend(forward_batch).sparse.pp_export())
+            return PPProxyTensors(out)
         h, _ = self.norm(h, residual)
         return h
+
+    def _reuses_selection(self) -> bool:
+        """Whether sparse layers may reuse a selection scored on another stage."""
+        return self.sparse is not None and self.sparse.use_index_cache
 
 
 class MiniMaxM3SparseForCausalLM(nn.Module):
@@ -332,6 +419,8 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     )
 
+    stage_taps: StageTaps | None = None  # this stage's captures of the latest forward
+
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
         if quant_config is not None:
@@ -345,8 +434,12 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
             self._check_sparse(config)
             check_atom_backend()
         self.model = M3Model(config, self.sparse, add_prefix("model", prefix))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=add_prefix("lm_head", prefix)
+        self.lm_head = (
+            ParallelLMHead(
+                config.vocab_size, config.hidden_size, prefix=add_prefix("lm_head", prefix)
+            )
+            if self.model.is_last_stage
+            else PPMissingLayer()
         )
         self.logits_processor = LogitsProcessor(config)
         self.capture_aux_hidden_states = False
@@ -372,7 +465,8 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
     def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
         """Capture the outputs of HF layers ``layer_ids`` in every forward that asks for
         hidden states (SGLang's Llama convention: layer ``i``'s output is layer ``i + 1``'s
-        input residual stream)."""
+        input residual stream). Under PP every stage is armed with the same global ids and
+        captures those it holds (:attr:`held_taps`)."""
         last = self.config.num_hidden_layers - 1
         if not layer_ids or any(not 0 <= i < last for i in layer_ids):
             raise ValueError(
@@ -383,6 +477,12 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
         self.model.layers_to_capture = [i + 1 for i in layer_ids]
 
     @property
+    def held_taps(self) -> list[int]:
+        """The armed HF layer ids whose output this stage captures (it holds layer id + 1)."""
+        m = self.model
+        return [i - 1 for i in m.layers_to_capture if m.start_layer <= i < m.end_layer]
+
+    @property
     def start_layer(self) -> int:
         return self.model.start_layer
 
@@ -390,13 +490,42 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
     def end_layer(self) -> int:
         return self.model.end_layer
 
-    def forward(self, input_ids, positions, forward_batch, input_embeds=None, **_):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        forward_batch,
+        input_embeds=None,
+        pp_proxy_tensors: PPProxyTensors | None = None,
+        carried_taps: Mapping[int, torch.Tensor] | None = None,
+        **_,
+    ):
+        """Logits on the last stage, ``PPProxyTensors`` on the others.
+
+        With armed taps and a batch that asks for hidden states, this stage's captures are left
+        in :attr:`stage_taps` (:class:`StageTaps`, keyed by HF layer id; None otherwise). The
+        last stage hands the LogitsProcessor, in HF order, its own taps and those of earlier
+        stages given as ``carried_taps`` (same keys); taps held elsewhere and not carried are
+        left out, as SGLang's Llama leaves them out on its last stage.
+        """
         mode = getattr(forward_batch, "capture_hidden_mode", None)
-        aux = None
+        taps = None
         if self.capture_aux_hidden_states and mode is not None and mode.need_capture():
-            aux = AuxHiddenStateList()
-        h = self.model(input_ids, positions, forward_batch, input_embeds, aux)
-        return self.logits_processor(input_ids, h, self.lm_head, forward_batch, aux or None)
+            taps = StageTaps()
+        out = self.model(input_ids, positions, forward_batch, input_embeds, taps, pp_proxy_tensors)
+        self.stage_taps = taps
+        if not self.model.is_last_stage:
+            return out
+        aux = self._packed_taps(taps, carried_taps or {}) if taps is not None else None
+        return self.logits_processor(input_ids, out, self.lm_head, forward_batch, aux or None)
+
+    def _packed_taps(self, own: StageTaps, carried: Mapping[int, torch.Tensor]):
+        """The armed taps captured here or carried here, in HF layer order."""
+        aux = AuxHiddenStateList()
+        for i in sorted(j - 1 for j in self.model.layers_to_capture):
+            if i in own or i in carried:
+                aux.capture(own[i] if i in own else carried[i], owned=True)
+        return aux
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the checkpoint under its own names (``block_sparse_moe`` is ``mlp`` here)."""
@@ -407,6 +536,8 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")
+            if not self._on_this_stage(name):
+                continue
             target, shard = self._stacked(name)
             if target not in params and ".self_attn.index_" in name:
                 # a sparse checkpoint whose config serves this layer dense
@@ -433,6 +564,25 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
                 sorted(dense_index),
             )
         return loaded
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether this pipeline stage holds the weight: its layers, and the embedding, final
+        norm and LM head where it builds them."""
+        if ".layers." in name:
+            layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+            return self.start_layer <= layer < self.end_layer
+        return not isinstance(self._owner(name), PPMissingLayer)
+
+    def _owner(self, name: str) -> nn.Module | None:
+        """The top-level module (embedding, norm, LM head) a non-layer weight belongs to."""
+        for prefix, module in (
+            ("model.embed_tokens.", self.model.embed_tokens),
+            ("model.norm.", self.model.norm),
+            ("lm_head.", self.lm_head),
+        ):
+            if name.startswith(prefix):
+                return module
+        return None
 
     def _stacked(self, name: str):
         """(parameter name, shard): shard is a QKV/gate-up index, (w1|w2|w3, expert) for a
