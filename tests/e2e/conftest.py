@@ -15,7 +15,7 @@ from e2e_utils import BASE_ARGS
 
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.testing import tiny
-from sgl_atom.testing.server import Server
+from sgl_atom.testing.server import Server, ServerStartError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -35,9 +35,18 @@ class ServerPool:
         self.started: list[Server] = []
 
     def start(self, model, args=(), timeout: float | None = None, **kw) -> Server:
-        srv = Server(model, [*BASE_ARGS, *args], **kw)
-        self.started.append(srv)
-        return srv.start(timeout)
+        """Start a server; once more on a fresh port if another process took its port first
+        (servers starting side by side each pick free ports for their own sockets)."""
+        for attempt in (1, 2):
+            srv = Server(model, [*BASE_ARGS, *args], **kw)
+            self.started.append(srv)
+            try:
+                return srv.start(timeout)
+            except ServerStartError:
+                srv.stop()
+                if attempt == 2 or "address already in use" not in srv.log_text():
+                    raise
+        raise AssertionError("unreachable")
 
     def start_many(self, jobs: dict[str, tuple], timeout: float | None = None) -> dict[str, Server]:
         """Start servers side by side: ``{name: (model, args, env)}`` -> ``{name: Server}``."""

@@ -1,9 +1,20 @@
 """P/D disaggregation over the atom transfer backend: prefill, decode and router as real processes.
 
-One module-scoped set of processes on 127.0.0.1, started together: a unified server (the
-reference), a prefill and a decode server with ``--disaggregation-transfer-backend atom`` behind
-SGLang's PD router, a second prefill whose writes are delayed (killed mid-transfer), and a
-decode server whose model has another layout (2 layers of head dim 32 against 4 of 64).
+Every server runs the word-chain target with its distilled ATOM_DSPARK draft (4.8 tokens/forward
+unified), fp8 draft pools under the fp16 target, so "the decode side drafts as well as unified"
+checks that the draft's context K/V came over. A prefill server only runs extends: its worker
+writes the draft's context K/V and never proposes; the backend exports the draft pool's regions
+after the target's and moves them with the target's pages.
+
+Two groups of processes on 127.0.0.1 per module:
+
+1. TP1: a unified ATOM_DSPARK server (the reference of every pair), a prefill and a decode behind
+   SGLang's PD router, a prefill whose writes are delayed (killed mid-transfer), a decode whose
+   model has another layout (the dense tiny llama of head dim 32) and a decode whose draft pool
+   is bf16 (both refused at handshake).
+2. Multi-rank, started once group 1's extra servers have stopped: a PP2 prefill (TP1 stages; the
+   draft and its taps' last stage on stage 1) into a TP2 decode (heads split, the draft whole
+   on both ranks), and a TP2 prefill into group 1's TP1 decode (heads merged).
 """
 
 from __future__ import annotations
@@ -22,20 +33,41 @@ from e2e_utils import word_prompts
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.testing import tiny
+from sgl_atom.spec.dspark.algorithm import NAME
+from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port
 
-MAX_NEW = 8
+PROMPTS = word_prompts(16, seed=31, min_words=4, max_words=16)
+MAX_NEW = 16
 # Control sockets and UCX on loopback; SGLang's own variables.
 PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
+SPEC_ENV = {
+    **PD_ENV,
+    "SGL_ATOM_CPU_KERNELS": "reference",
+    "SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models",
+}
 # Decode notices a dead prefill after one missed heartbeat (SGLang's floor is 2 s).
 DECODE_ENV = {
-    **PD_ENV,
+    **SPEC_ENV,
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
 }
 SLOW_WRITE_MS = 6000
+# The PP2 prefill's stages hold layers 0..2 and 3: the draft's tap 1 (the stream entering layer
+# 2) is captured on stage 0 and travels to the last stage with the pipeline payload.
+PP2_ENV = {**SPEC_ENV, "SGLANG_PP_LAYER_PARTITION": "3,1"}
+ATOM = [
+    "--attention-backend",
+    "atom",
+    "--chunked-prefill-size",
+    "32",
+    "--max-running-requests",
+    str(len(PROMPTS)),
+]
+SPEC = ["--speculative-algorithm", NAME, "--speculative-draft-model-path", str(DSPARK_CHAIN)]
+FP8 = [*ATOM, *SPEC, "--spec-decode-kv-cache-dtype", "fp8"]
+BF16 = [*ATOM, *SPEC, "--speculative-draft-kv-cache-dtype", "bf16"]
 
 
 def prefill_args(bootstrap_port: int) -> list[str]:
@@ -49,7 +81,9 @@ def prefill_args(bootstrap_port: int) -> list[str]:
     ]
 
 
-# On CPU the decode server keeps retracted KV in CPU tensors (its default host pool needs CUDA).
+# On CPU the decode server keeps retracted KV in CPU tensors (its default host pool needs CUDA);
+# with SGLang's default 512 tokens reserved per running request, the tiny KV budget would admit
+# about 7 of the 16 prompts at a time.
 DECODE_ARGS = [
     "--disaggregation-mode",
     "decode",
@@ -57,6 +91,8 @@ DECODE_ARGS = [
     "atom",
     "--disaggregation-decode-retraction-backup",
     "cpu_tensor",
+    "--num-reserved-decode-tokens",
+    "64",
 ]
 
 
@@ -70,22 +106,29 @@ class PD:
     slow_prefill: Server
     slow_bootstrap: int
     other_decode: Server
+    bf16_decode: Server
 
 
 @pytest.fixture(scope="module")
-def pd(servers, tiny_llama):
+def chain():
+    return tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
+
+
+@pytest.fixture(scope="module")
+def pd(servers, chain):
     hd32 = tiny.build(cache_dir() / "tiny" / "llama-hd32", "llama-hd32")
     bp, slow_bp = free_port(), free_port()
     jobs = {
-        "unified": (tiny_llama, [], PD_ENV),
-        "prefill": (tiny_llama, prefill_args(bp), PD_ENV),
-        "decode": (tiny_llama, DECODE_ARGS, DECODE_ENV),
+        "unified": (chain, FP8, SPEC_ENV),
+        "prefill": (chain, FP8 + prefill_args(bp), SPEC_ENV),
+        "decode": (chain, FP8 + DECODE_ARGS, DECODE_ENV),
         "slow_prefill": (
-            tiny_llama,
-            prefill_args(slow_bp),
-            {**PD_ENV, "SGL_ATOM_PD_WRITE_DELAY_MS": str(SLOW_WRITE_MS)},
+            chain,
+            FP8 + prefill_args(slow_bp),
+            {**SPEC_ENV, "SGL_ATOM_PD_WRITE_DELAY_MS": str(SLOW_WRITE_MS)},
         ),
         "other_decode": (hd32, DECODE_ARGS, DECODE_ENV),
+        "bf16_decode": (chain, BF16 + DECODE_ARGS, DECODE_ENV),
     }
     started = servers.start_many(jobs)
     router = Router([(started["prefill"].url, bp)], [started["decode"].url])
@@ -100,23 +143,52 @@ def pd(servers, tiny_llama):
             slow_prefill=started["slow_prefill"],
             slow_bootstrap=slow_bp,
             other_decode=started["other_decode"],
+            bf16_decode=started["bf16_decode"],
         )
     finally:
         router.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(pd) -> list[dict]:
+    """The unified server's outputs for PROMPTS: the reference of every pair."""
+    return pd.unified.generate(PROMPTS, max_new_tokens=MAX_NEW)
 
 
 def _params(max_new: int = MAX_NEW) -> dict:
     return {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
 
 
-def _router_ids(router: Router, prompts: list[str]) -> list[list[int]]:
-    def one(prompt: str) -> list[int]:
-        return router.post("/generate", {"text": prompt, "sampling_params": _params()})[
-            "output_ids"
-        ]
+def _router_outs(router: Router, prompts: list[str]) -> list[dict]:
+    def one(prompt: str) -> dict:
+        return router.post("/generate", {"text": prompt, "sampling_params": _params()})
 
-    with ThreadPoolExecutor(4) as ex:
+    with ThreadPoolExecutor(len(prompts)) as ex:
         return list(ex.map(one, prompts))
+
+
+def _ids(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def _tpf(outs: list[dict]) -> float:
+    """Mean tokens per target forward: output tokens over verify steps, per request."""
+    per = [len(o["output_ids"]) / max(1, o["meta_info"].get("spec_verify_ct", 0)) for o in outs]
+    return sum(per) / len(per)
+
+
+def _check_pair(label: str, got: list[dict], expected: list[dict], seconds: float, report):
+    same = sum(a == b for a, b in zip(_ids(got), _ids(expected), strict=True))
+    tpf_pd, tpf_unified = _tpf(got), _tpf(expected)
+    report(
+        f"P/D atom {label} with ATOM_DSPARK (fp8 draft pools): {same}/{len(expected)} greedy "
+        f"outputs ({MAX_NEW} tokens) equal unified in {seconds:.1f}s; tokens/forward P/D "
+        f"{tpf_pd:.2f}, unified {tpf_unified:.2f}"
+    )
+    assert _ids(got) == _ids(expected)
+    # the draft context came over: the decode side drafts as well as unified does
+    assert tpf_pd > 1.0
+    assert abs(tpf_pd - tpf_unified) <= 0.15 * tpf_unified + 0.1
 
 
 def _error_text(e: Exception) -> str:
@@ -154,23 +226,35 @@ def _join(result: dict, timeout: float = 120) -> dict:
     return result
 
 
+def _pd_outs(prefill: Server, bootstrap: int, decode: Server, room0: int) -> list[dict]:
+    pending = [_direct_pd(prefill, bootstrap, decode, p, room0 + i) for i, p in enumerate(PROMPTS)]
+    results = [_join(r)["d"] for r in pending]
+    for r in results:
+        assert isinstance(r, dict), r
+    return results
+
+
 def _agent_name(srv: Server) -> str:
     m = re.search(r"Initialized NIXL agent: (atom-\S+)", srv.log_text())
     assert m, f"{srv.name} started no atom NIXL agent:\n{srv.log_tail()}"
     return m.group(1)
 
 
-def test_router_prefill_decode_matches_unified(pd, report):
-    prompts = word_prompts(16, seed=6, min_words=3, max_words=24)
-    expected = [o["output_ids"] for o in pd.unified.generate(prompts, max_new_tokens=MAX_NEW)]
+# ---------------------------------------------------------------- TP1 -> TP1
+
+
+def test_router_prefill_decode_matches_unified(pd, expected, report):
     t0 = time.time()
-    got = _router_ids(pd.router, prompts)
-    report(f"P/D atom TP1->TP1 via router: {len(prompts)} prompts in {time.time() - t0:.1f}s")
-    assert got == expected
-    assert re.search(r"accepted decode rank tp 0/1 .*whole", pd.prefill.log_text())
+    got = _router_outs(pd.router, PROMPTS)
+    _check_pair("TP1->TP1 via router", got, expected, time.time() - t0, report)
+    log = pd.prefill.log_text()
+    # the tiny llama's 4 fp16 target layers (K, V) come first, then the fp8 draft's 2 layers
+    # x (K, V, K scale, V scale)
+    assert "16 regions (layers 0..3), 8 of them draft" in log, log[-3000:]
+    assert re.search(r"accepted decode rank tp 0/1 .*whole", log)
 
 
-def test_mismatched_layout_is_refused_before_any_write(pd):
+def test_mismatched_layout_is_refused_before_any_write(pd, expected):
     res = _join(_direct_pd(pd.prefill, pd.prefill_bootstrap, pd.other_decode, "one two", 7001))
     err = res["d"]
     assert isinstance(err, str), f"a decode with another layout was served: {err}"
@@ -183,12 +267,18 @@ def test_mismatched_layout_is_refused_before_any_write(pd):
     assert f"({agent})" in log and f"refused decode rank tp 0/1 ({agent})" in log
     assert f"accepted decode rank tp 0/1 ({agent})" not in log
     # the prefill still serves its own decode
-    prompts = word_prompts(2, seed=11)
-    expected = [o["output_ids"] for o in pd.unified.generate(prompts, max_new_tokens=MAX_NEW)]
-    assert _router_ids(pd.router, prompts) == expected
+    assert _ids(_router_outs(pd.router, PROMPTS[:2])) == _ids(expected[:2])
 
 
-def test_prefill_killed_mid_transfer_fails_clearly_and_decode_recovers(pd):
+def test_draft_dtype_mismatch_is_refused(pd):
+    res = _join(_direct_pd(pd.prefill, pd.prefill_bootstrap, pd.bf16_decode, "one two", 7101))
+    err = res["d"]
+    assert isinstance(err, str), f"a decode with a bf16 draft pool was served: {err}"
+    assert "refused" in err, err
+    assert "draft_k draft layer 0: dtype producer float8_e4m3fn, consumer bfloat16" in err, err
+
+
+def test_prefill_killed_mid_transfer_fails_clearly_and_decode_recovers(pd, expected):
     pending = _direct_pd(pd.slow_prefill, pd.slow_bootstrap, pd.decode, "five six seven", 7002)
     deadline = time.time() + 60
     while "waits 6000 ms before its writes" not in pd.slow_prefill.log_text():
@@ -200,10 +290,8 @@ def test_prefill_killed_mid_transfer_fails_clearly_and_decode_recovers(pd):
     err = res["d"]
     assert isinstance(err, str), f"decode returned output with its prefill dead: {err}"
     assert "Lost connection with prefill instance" in err, err
-    # the decode server serves the next request
-    prompts = word_prompts(2, seed=12)
-    expected = [o["output_ids"] for o in pd.unified.generate(prompts, max_new_tokens=MAX_NEW)]
-    assert _router_ids(pd.router, prompts) == expected
+    # the decode server serves the next requests
+    assert _ids(_router_outs(pd.router, PROMPTS[2:4])) == _ids(expected[2:4])
 
 
 # ---------------------------------------------------------------- head split and merge
@@ -219,17 +307,22 @@ class Parallel:
 
 
 @pytest.fixture(scope="module")
-def parallel(servers, tiny_llama, pd):
-    """A PP2 prefill (one TP rank per stage) and a TP2 decode; a TP2 prefill for pd's decode."""
+def parallel(servers, chain, pd, expected):
+    """A PP2 prefill (one TP rank per stage) and a TP2 decode; a TP2 prefill for pd's decode.
+
+    Started once group 1's servers other than the reference and the TP1 decode have stopped."""
+    pd.router.stop()
+    for srv in (pd.prefill, pd.slow_prefill, pd.other_decode, pd.bf16_decode):
+        srv.stop()
     pp2_bp, tp2_bp = free_port(), free_port()
     jobs = {
-        "pp2_prefill": (prefill_args(pp2_bp) + ["--pp-size", "2"], PD_ENV),
-        "tp2_decode": (DECODE_ARGS + ["--tp", "2"], DECODE_ENV),
-        "tp2_prefill": (prefill_args(tp2_bp) + ["--tp", "2"], PD_ENV),
+        "pp2_prefill": (FP8 + prefill_args(pp2_bp) + ["--pp-size", "2"], PP2_ENV),
+        "tp2_decode": (FP8 + DECODE_ARGS + ["--tp", "2"], DECODE_ENV),
+        "tp2_prefill": (FP8 + prefill_args(tp2_bp) + ["--tp", "2"], SPEC_ENV),
     }
-    # six scheduler ranks start next to the five running servers: allow them twice the time
+    # six scheduler ranks start at once on two cores: allow them twice the time
     started = servers.start_many(
-        {n: (tiny_llama, *job) for n, job in jobs.items()},
+        {n: (chain, *job) for n, job in jobs.items()},
         timeout=2 * envs.SGL_ATOM_SERVER_TIMEOUT.get(),
     )
     return Parallel(
@@ -237,30 +330,22 @@ def parallel(servers, tiny_llama, pd):
     )
 
 
-def _pd_ids(prefill: Server, bootstrap: int, decode: Server, prompts: list[str], room0: int):
-    pending = [_direct_pd(prefill, bootstrap, decode, p, room0 + i) for i, p in enumerate(prompts)]
-    results = [_join(r)["d"] for r in pending]
-    for r in results:
-        assert isinstance(r, dict), r
-    return [r["output_ids"] for r in results]
-
-
-def test_pp2_prefill_into_tp2_decode_splits_heads(pd, parallel):
-    prompts = word_prompts(6, seed=21, min_words=3, max_words=24)
-    expected = [o["output_ids"] for o in pd.unified.generate(prompts, max_new_tokens=MAX_NEW)]
-    got = _pd_ids(parallel.pp2_prefill, parallel.pp2_bootstrap, parallel.tp2_decode, prompts, 9000)
-    assert got == expected
+def test_pp2_prefill_into_tp2_decode_splits_heads(parallel, expected, report):
+    t0 = time.time()
+    got = _pd_outs(parallel.pp2_prefill, parallel.pp2_bootstrap, parallel.tp2_decode, 9000)
+    _check_pair("PP2->TP2", got, expected, time.time() - t0, report)
     log = parallel.pp2_prefill.log_text()
-    # both stages (layers 0..1 and 2..3) write both decode ranks their one head of two
-    assert re.search(r"pp 0/2: 4 regions \(layers 0\.\.1\)", log), log[-3000:]
-    assert re.search(r"pp 1/2: 4 regions \(layers 2\.\.3\)", log), log[-3000:]
-    assert len(re.findall(r"accepted decode rank tp [01]/2 .*: 4 region pairs, split", log)) == 4
+    # stage 0 (layers 0..2) writes both decode ranks their one head of two and sends tap 1 on;
+    # stage 1 (layer 3) too, and the whole draft (2 layers x K, V and their scales) to each
+    assert "ATOM_DSPARK PP stage: no draft here; taps [1] sent on" in log, log[-3000:]
+    assert re.search(r"pp 0/2: 6 regions \(layers 0\.\.2\), 0 of them draft", log), log[-3000:]
+    assert re.search(r"pp 1/2: 10 regions \(layers 3\.\.3\), 8 of them draft", log), log[-3000:]
+    assert len(re.findall(r"accepted decode rank tp [01]/2 .*split", log)) == 4
 
 
-def test_tp2_prefill_into_tp1_decode_merges_heads(pd, parallel):
-    prompts = word_prompts(6, seed=22, min_words=3, max_words=24)
-    expected = [o["output_ids"] for o in pd.unified.generate(prompts, max_new_tokens=MAX_NEW)]
-    got = _pd_ids(parallel.tp2_prefill, parallel.tp2_bootstrap, pd.decode, prompts, 9100)
-    assert got == expected
+def test_tp2_prefill_into_tp1_decode_merges_heads(pd, parallel, expected, report):
+    t0 = time.time()
+    got = _pd_outs(parallel.tp2_prefill, parallel.tp2_bootstrap, pd.decode, 9100)
+    _check_pair("TP2->TP1", got, expected, time.time() - t0, report)
     log = parallel.tp2_prefill.log_text()
-    assert len(re.findall(r"accepted decode rank tp 0/1 .*: 8 region pairs, merge", log)) == 2
+    assert len(re.findall(r"accepted decode rank tp 0/1 .*merge", log)) == 2
