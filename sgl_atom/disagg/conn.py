@@ -51,7 +51,7 @@ from sgl_atom.disagg import wire
 from sgl_atom.disagg.draft_registry import draft_pool
 from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
-from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
+from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError, heads_of_rank
 from sgl_atom.log import get_logger
 from sgl_atom.patches.disagg_pool_registry import pool_for
@@ -248,6 +248,24 @@ class AtomKVManager(CommonKVManager):
                 f"description matches {len(ours)} of them; this pool layout is not supported"
             )
         return export
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's fetch and checks of the prefill's parallel info, less one refusal.
+
+        SGLang refuses MiniMax sparse P/D whenever the attention TP sizes differ (its backends
+        move head-major pages and cannot re-slice them). The atom backend cuts every K/V region
+        by head and copies the index keys whole to each decode rank, and its handshake refuses
+        any pairing it cannot move, naming the region; so that check is skipped here, the rest
+        (page size, KV dtype, layout) stays.
+        """
+        types = getattr(self.kv_args, "state_types", None)
+        if not types or INDEX_K_STATE not in [getattr(t, "value", t) for t in types]:
+            return super().try_ensure_parallel_info(bootstrap_addr)
+        self.kv_args.state_types = [t for t in types if getattr(t, "value", t) != INDEX_K_STATE]
+        try:
+            return super().try_ensure_parallel_info(bootstrap_addr)
+        finally:
+            self.kv_args.state_types = types
 
     def _total_kv_heads(self, args: KVArgs) -> int:
         """The model's KV heads: prefill's KVArgs carries them, decode's does not."""
