@@ -11,7 +11,8 @@ PROMPTS = [
     "What is the number 42?",
 ]
 MAX_NEW = 12
-BASE_ARGS = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
+# --sleep-on-idle: an idle scheduler waits on its sockets instead of polling a core.
+BASE_ARGS = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--sleep-on-idle"]
 
 
 def greedy_texts(srv: Server, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
