@@ -52,6 +52,21 @@ def test_pp_without_prefill_mode_is_refused(mode):
     assert "--pp-size 1" in str(e.value)  # the remedy
 
 
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        (None, r"needs --speculative-draft-model-path \(a DSpark draft checkpoint directory\)"),
+        ("EMPTY", r"--speculative-draft-model-path .+: no config.json there"),
+    ],
+)
+def test_draft_path_without_a_config_is_refused(tmp_path, path, message):
+    path = str(tmp_path) if path == "EMPTY" else path
+    with pytest.raises(ValueError, match=message):
+        _algo().handle_server_args(_server_args(speculative_draft_model_path=path, pp_size=1))
+    with pytest.raises(ValueError, match=message):
+        loader.read_config(path)
+
+
 def test_pp_prefill_is_accepted():
     args = _server_args()
     _algo().handle_server_args(args)

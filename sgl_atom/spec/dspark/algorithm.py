@@ -8,9 +8,6 @@ relay branches; it writes no draft tokens into the target's KV (``has_draft_kv``
 
 from __future__ import annotations
 
-import json
-import os
-
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 NAME = "ATOM_DSPARK"
@@ -18,20 +15,9 @@ NAME = "ATOM_DSPARK"
 
 def _draft_block_size(path: str | None) -> int:
     from .config import DSparkDraftConfig
+    from .loader import read_config
 
-    if not path:
-        raise ValueError(
-            f"--speculative-algorithm {NAME} needs --speculative-draft-model-path (a DSpark "
-            "draft checkpoint directory)"
-        )
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        raise ValueError(
-            f"--speculative-draft-model-path {path}: no config.json there ({NAME} reads the "
-            "draft from a local checkpoint directory)"
-        )
-    with open(config) as f:
-        return DSparkDraftConfig.from_hf_dict(json.load(f)).block_size
+    return DSparkDraftConfig.from_hf_dict(read_config(path)).block_size
 
 
 def check_pipeline_parallel(server_args) -> None:

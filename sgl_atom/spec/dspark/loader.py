@@ -48,13 +48,19 @@ def _read_weights(path: str):
 
 
 def read_config(path: str | None) -> dict:
-    """The draft checkpoint's config.json."""
+    """The draft checkpoint's config.json (ValueError naming the flag when there is none)."""
     if not path:
         raise ValueError(
-            "--speculative-algorithm ATOM_DSPARK needs --speculative-draft-model-path "
-            "(a DSpark draft checkpoint)"
+            "--speculative-algorithm ATOM_DSPARK needs --speculative-draft-model-path (a DSpark "
+            "draft checkpoint directory)"
         )
-    with open(os.path.join(path, "config.json")) as f:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(
+            f"--speculative-draft-model-path {path}: no config.json there (ATOM_DSPARK reads the "
+            "draft from a local checkpoint directory)"
+        )
+    with open(config) as f:
         return json.load(f)
 
 
