@@ -195,7 +195,8 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def rope_neox(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
     """NeoX RoPE on the first ``rotary_dim`` channels of x [tokens, heads, dim]."""
-    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    inv = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=pos.device) / rotary_dim
+    inv = 1.0 / theta**inv
     ang = pos.to(torch.float64)[:, None] * inv[None]
     cos, sin = ang.cos().to(x.dtype)[:, None], ang.sin().to(x.dtype)[:, None]
     half = rotary_dim // 2

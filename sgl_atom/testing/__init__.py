@@ -7,3 +7,5 @@ ASSETS = Path(__file__).parent / "assets"
 DSPARK_DISTILLED = ASSETS / "dspark-llama-distilled"
 # The DSpark draft distilled against the llama-chain target (tiny kind "llama-chain").
 DSPARK_CHAIN = ASSETS / "dspark-llama-chain"
+# The DSpark draft distilled against the m3-chain target (tiny kind "m3-chain").
+DSPARK_M3_CHAIN = ASSETS / "dspark-m3-chain"

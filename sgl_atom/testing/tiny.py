@@ -462,6 +462,19 @@ KINDS["m3"] = (
 )
 
 
+# The "m3" architecture trained on the same word chain (train_target.py from the m3 kind's seeded
+# weights, dense attention over 256-token sequences; figures in its train_target.json).
+KINDS["m3-chain"] = (
+    dict(
+        asset="m3-chain-target",
+        sha256="9b45ee312d387d6437de50dec4d787a270582f47cb1c25e4c663aa141a9b7f0f",
+        vocab=512,
+        seed=0,
+    ),
+    _asset,
+)
+
+
 def _dspark_for(target: str, **over) -> dict:
     """The ``dspark`` kind's draft spec for the target kind ``target``, with ``over`` applied."""
     spec = {k: v for k, v in KINDS["dspark"][0].items() if k != "target"}

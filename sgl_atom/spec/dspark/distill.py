@@ -48,6 +48,7 @@ from sgl_atom.spec.dspark.accept import SpecStats, greedy_accept
 from sgl_atom.spec.dspark.anchors import speculative_counts, teacher_forced_loss
 from sgl_atom.spec.dspark.config import DSparkDraftConfig
 from sgl_atom.spec.dspark.llama_target import LlamaTarget
+from sgl_atom.spec.dspark.m3_target import load_target_model
 from sgl_atom.spec.dspark.weights import check_draft_weights
 
 TRAIN_PROMPT_SEED = 7  # training sentences: tiny._corpus(n, seed=TRAIN_PROMPT_SEED + --seed)
@@ -191,6 +192,11 @@ def init_from_target(w: dict, cfg: DSparkDraftConfig, target: LlamaTarget) -> li
     through, so the context K/V start close to those layers' own K/V of the context. Returns
     the target layers used.
     """
+    if not isinstance(target, LlamaTarget):
+        raise ValueError(
+            f"--init target copies llama layers into the draft; this target is "
+            f"{type(target).__name__}: start from the draft's own weights with --init draft"
+        )
     n = target.num_layers
     used = list(range(n - cfg.num_hidden_layers, n))
     if used[0] < 0:
@@ -512,7 +518,7 @@ def _eval_only(args) -> int:
     path = args.out / "distill.json"
     info = json.loads(path.read_text())
     t0 = time.time()
-    target = LlamaTarget.load(args.target)
+    target = load_target_model(args.target)
     cfg, w = load_draft(args.out)
     info["batched"] = batched_figures(target, cfg, w, info, args.batched_eval_prompts)
     info["held_out"] = reference_figures(args.target, args.draft, args.out, args.eval_prompts)
@@ -568,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     t0 = time.time()
     device = torch.device(args.device)
-    target = LlamaTarget.load(args.target, device)
+    target = load_target_model(args.target, device)
     cfg, w = load_draft(args.draft)
     w = {n: t.to(device) for n, t in w.items()}
     init_layers = init_from_target(w, cfg, target) if args.init == "target" else []

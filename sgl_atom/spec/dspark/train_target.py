@@ -39,11 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from sgl_atom.spec.dspark.llama_target import LlamaTarget
+from sgl_atom.spec.dspark.m3_target import M3_MODEL_TYPE, M3Target, load_target_model
 
 NUM_CLASSES = 4
 SUCCESSOR_PROBS = {1: (1.0,), 2: (0.7, 0.3), 3: (0.6, 0.25, 0.15)}
 MAX_WORD_TOKENS = 3
 INFO_FILE = "train_target.json"
+Model = LlamaTarget | M3Target
 _COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -185,7 +187,27 @@ def init_weights(config: dict, seed: int, device) -> dict[str, torch.Tensor]:
     return w
 
 
-def lm_logits(model: LlamaTarget, ids: torch.Tensor) -> torch.Tensor:
+def init_model(
+    config: dict, base: Path, seed: int, device, tokenizer
+) -> tuple[Model, dict[str, torch.Tensor], dict[str, str]]:
+    """(model, trainable weights, {weight name: checkpoint name}).
+
+    A llama config starts from :func:`init_weights`; an M3 config from ``base``'s own weights
+    (the tiny builder's seeded random checkpoint), its MoE tensors named ``mlp.`` like
+    :class:`M3Target` reads them and saved back under the checkpoint's ``block_sparse_moe.``.
+    """
+    if config.get("model_type") != M3_MODEL_TYPE:
+        w = {k: v.requires_grad_(True) for k, v in init_weights(config, seed, device).items()}
+        return LlamaTarget(config, w, tokenizer), w, {k: k for k in w}
+    from safetensors.torch import load_file
+
+    raw = load_file(str(base / "model.safetensors"))
+    names = {k.replace(".block_sparse_moe.", ".mlp."): k for k in raw}
+    w = {k: raw[src].float().to(device).requires_grad_(True) for k, src in names.items()}
+    return M3Target(config, w, tokenizer), w, names
+
+
+def lm_logits(model: Model, ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, vocab] through the target's own layers, with autograd."""
     x = model.embed[ids]
     for i in range(model.num_layers):
@@ -193,7 +215,7 @@ def lm_logits(model: LlamaTarget, ids: torch.Tensor) -> torch.Tensor:
     return model._norm(x, "model.norm.weight") @ model.lm_head.T
 
 
-def chain_loss(model: LlamaTarget, ids: torch.Tensor, chain: torch.Tensor, amp: bool):
+def chain_loss(model: Model, ids: torch.Tensor, chain: torch.Tensor, amp: bool):
     """Mean next-token cross-entropy over tokens of chain words, and the argmax hits there."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         logits = lm_logits(model, ids[:, :-1])
@@ -205,7 +227,7 @@ def chain_loss(model: LlamaTarget, ids: torch.Tensor, chain: torch.Tensor, amp: 
 
 
 @torch.no_grad()
-def choice_agreement(model: LlamaTarget, chain: WordChain, words, plen, length, amp) -> float:
+def choice_agreement(model: Model, chain: WordChain, words, plen, length, amp) -> float:
     """Share of chain words whose first token the model's argmax gives as the chain's choice,
     predicted from the position before the word."""
     ids, is_chain = chain.tokens(words, plen, length)
@@ -225,7 +247,7 @@ def choice_agreement(model: LlamaTarget, chain: WordChain, words, plen, length, 
 
 
 @torch.no_grad()
-def greedy_follow(model: LlamaTarget, chain: WordChain, prompts: list[str], max_new: int) -> dict:
+def greedy_follow(model: Model, chain: WordChain, prompts: list[str], max_new: int) -> dict:
     """How closely greedy continuations of ``prompts`` follow the chain's choices."""
     toks = model.encode_batch(prompts)
     seqs = model.greedy_sequences(toks, max_new)
@@ -291,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_file(str(args.out / "tokenizer.json"))
     chain = WordChain(args.chain_seed, tokenizer, dev)
     torch.manual_seed(args.seed)
-    w = {k: v.requires_grad_(True) for k, v in init_weights(config, args.seed, dev).items()}
-    model = LlamaTarget(config, w, tokenizer)
+    model, w, names = init_model(config, args.base, args.seed, dev, tokenizer)
+    if args.seq_len > getattr(model, "dense_exact_tokens", args.seq_len):
+        raise SystemExit(
+            f"--seq-len {args.seq_len}: the M3 model trains with dense attention, which equals "
+            f"its sparse attention only up to {model.dense_exact_tokens} tokens"
+        )
     decay = [p for p in w.values() if p.dim() >= 2]
     keep = [p for p in w.values() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -343,9 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         ev_loss, hits = chain_loss(model, ev_ids, ev_chain, amp)
     agree = choice_agreement(model, chain, ev_words, ev_plen, args.seq_len, amp)
-    save_fp16(w, args.out)
+    save_fp16({names[k]: v for k, v in w.items()}, args.out)
     # the saved float16 weights, read back in float32 as distillation and the tests read them
-    saved = LlamaTarget.load(args.out, dev)
+    saved = load_target_model(args.out, dev)
     from sgl_atom.spec.dspark.distill import held_out_word_prompts
 
     follow = greedy_follow(saved, chain, held_out_word_prompts(args.greedy_prompts), 48)
@@ -360,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             "entropy_nats_per_word": round(chain.entropy_per_word(), 4),
             "prefix_words": [2, 48],
         },
+        "base": str(args.base),
+        "model_type": config.get("model_type"),
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "batch": args.batch,
