@@ -16,6 +16,33 @@ import torch
 import torch.nn.functional as F
 
 
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of q [B, heads, T, d] over k, v [B, kv_heads, T, d] at positions
+    start..start+T-1 -> [B, T, heads * d]. With ``cache`` (K, V [B, kv_heads, max, d]) the new
+    K/V are written there first and every cached position up to start+T is attended: T == 1
+    decodes against the whole cache; a multi-token chunk must start at position 0."""
+    b, heads, t, _ = q.shape
+    if cache is not None:
+        ck, cv = cache
+        ck[:, :, start : start + t] = k
+        cv[:, :, start : start + t] = v
+        k, v = ck[:, :, : start + t], cv[:, :, : start + t]
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    causal = t > 1
+    if causal and start:
+        raise ValueError("a multi-token chunk must start at position 0")
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return o.transpose(1, 2).reshape(b, t, -1)
+
+
 class LlamaTarget:
     """Frozen target weights on one device; every method is batched and runs without grad."""
 
@@ -100,20 +127,8 @@ class LlamaTarget:
         v = (h @ self.w[p + "self_attn.v_proj.weight"].T).view(b, t, self.kv_heads, -1)
         q = self._rope(q.transpose(1, 2), pos)
         k = self._rope(k.transpose(1, 2), pos)
-        v = v.transpose(1, 2)
-        if cache is not None:
-            ck, cv = cache[i]
-            ck[:, :, start : start + t] = k
-            cv[:, :, start : start + t] = v
-            k, v = ck[:, :, : start + t], cv[:, :, : start + t]
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # t == 1 decodes against the whole cache; otherwise a causal prefill from position 0
-        causal = t > 1
-        if causal and start:
-            raise ValueError("a multi-token chunk must start at position 0")
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        x = x + attn.transpose(1, 2).reshape(b, t, -1) @ self.w[p + "self_attn.o_proj.weight"].T
+        attn = cached_attention(q, k, v.transpose(1, 2), start, None if cache is None else cache[i])
+        x = x + attn @ self.w[p + "self_attn.o_proj.weight"].T
         h = self._norm(x, p + "post_attention_layernorm.weight")
         gate = h @ self.w[p + "mlp.gate_proj.weight"].T
         up = h @ self.w[p + "mlp.up_proj.weight"].T

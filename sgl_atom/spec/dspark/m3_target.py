@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from sgl_atom.attention.sparse import SparseConfig
 from sgl_atom.kernels.sparse_attention import SPARSE_BLOCK
 from sgl_atom.models.m3_reference import gemma_rms_norm, rope_neox, route
-from sgl_atom.spec.dspark.llama_target import LlamaTarget
+from sgl_atom.spec.dspark.llama_target import LlamaTarget, cached_attention
 
 M3_MODEL_TYPE = "minimax_m2"  # what MiniMaxM3SparseForCausalLM checkpoints declare
 M3_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
@@ -147,19 +147,9 @@ class M3Target:
         q = self._heads(h, a + "q", self.heads, pos)
         k = self._heads(h, a + "k", self.kv_heads, pos)
         v = (h @ self.w[a + "v_proj.weight"].T).view(b, t, self.kv_heads, -1).transpose(1, 2)
-        if cache is not None:
-            ck, cv = cache[i]
-            ck[:, :, start : start + t] = k
-            cv[:, :, start : start + t] = v
-            k, v = ck[:, :, : start + t], cv[:, :, : start + t]
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # t == 1 decodes against the whole cache; otherwise a causal prefill from position 0
-        causal = t > 1
-        if causal and start:
-            raise ValueError("a multi-token chunk must start at position 0")
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.head_dim**-0.5)
-        return o.transpose(1, 2).reshape(b, t, -1) @ self.w[a + "o_proj.weight"].T
+        layer_cache = None if cache is None else cache[i]
+        o = cached_attention(q, k, v, start, layer_cache, scale=self.head_dim**-0.5)
+        return o @ self.w[a + "o_proj.weight"].T
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         gate, up = x @ self.w[p + "gate_proj.weight"].T, x @ self.w[p + "up_proj.weight"].T
