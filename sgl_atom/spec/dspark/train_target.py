@@ -1,4 +1,4 @@
-"""Train a predictable tiny Llama target: a language model of a sparse order-2 word chain.
+"""Train a predictable tiny target (Llama or M3): a language model of a sparse order-2 word chain.
 
     python -m sgl_atom.spec.dspark.train_target --base DIR --out DIR \\
         [--device cuda --max-seconds S --seed S ...]
@@ -15,8 +15,11 @@ four predecessor classes give every word four different likely successors.
 A training sequence is a random-word prefix (2-48 words drawn uniformly, like the e2e tests'
 ``word_prompts``) followed by a chain continuation seeded by the prefix's last two words; the
 loss covers the continuation only, so after ANY prompt the model continues the chain. The
-model is the ``llama`` tiny kind's architecture (config and tokenizer copied from ``--base``),
-computed by :class:`~sgl_atom.spec.dspark.llama_target.LlamaTarget`'s own layers, trained with
+model is ``--base``'s architecture (config and tokenizer copied from it): a llama config starts
+from a seeded init and runs :class:`~sgl_atom.spec.dspark.llama_target.LlamaTarget`'s layers; an
+M3 config starts from ``--base``'s weights and runs
+:class:`~sgl_atom.spec.dspark.m3_target.M3Target`'s (dense attention, so ``--seq-len`` may not
+pass its ``dense_exact_tokens``). Trained with
 AdamW (bf16 autocast on CUDA) under a warm-up then cosine schedule capped by steps or
 ``--max-seconds``, and saved as float16 safetensors with ``train_target.json`` (seed, command,
 figures: held-out loss against the chain's entropy floor, agreement of the argmax with the
