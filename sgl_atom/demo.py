@@ -74,6 +74,8 @@ def _speculation_section(srv: Server, max_tokens: int) -> None:
 
 
 DSPARK_ARGS = [
+    "--dtype",
+    "bfloat16",
     "--attention-backend",
     "atom",
     "--speculative-algorithm",
@@ -101,7 +103,14 @@ MODES: dict[str, tuple[list[str], dict[str, str], str | None]] = {
     # the draft was distilled against the llama-chain target, so this mode serves that one
     "dspark": (DSPARK_ARGS, DSPARK_ENV, "llama-chain"),
 }
-LOG_MARKS = ("atom attention:", "fp8 KV scales", "ATOM_DSPARK draft", "DSpark k=")
+LOG_MARKS = (
+    "atom attention:",
+    "fp8 KV scales",
+    "draft KV dtype:",
+    "draft KV pool at",
+    "ATOM_DSPARK draft",
+    "DSpark k=",
+)
 
 
 def run_mode(model: Path, mode: str, extra: list[str], max_new: int) -> None:

@@ -106,10 +106,20 @@ def _log_when_sized(configurator, target_cell, draft_cell, upstream_draft, dk) -
             upstream_draft_cell=upstream_draft,
             page_size=page_size,
         )
-        logger.info(budget_line(budget, dk.settled, dk.target))
+        logger.info(budget_line(budget, dk.settled, dk.target, _token_cap()))
         return config
 
     configurator.calculate_pool_sizes = calculate_pool_sizes
+
+
+def _token_cap() -> int | None:
+    """``--max-total-tokens`` when set (the pool is capped there after the budget)."""
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return get_schedule().max_total_tokens or None
+    except Exception:  # noqa: BLE001 - no schedule context (unit tests): no cap to report
+        return None
 
 
 def _atom_dspark_cell(kvc, dtype: str) -> int:

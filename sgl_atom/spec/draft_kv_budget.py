@@ -66,14 +66,22 @@ def draft_budget(
     )
 
 
-def budget_line(b: DraftBudget, settled: str, target: str) -> str:
-    """The startup log line: the draft pool's bytes and the token capacity gained."""
+def budget_line(b: DraftBudget, settled: str, target: str, cap: int | None = None) -> str:
+    """The startup log line: the draft pool's bytes and the token capacity gained.
+
+    ``cap`` is ``--max-total-tokens`` when it is set: the pool is then no larger than the cap
+    whatever the budget holds, and the line says so rather than print a capacity not allocated.
+    """
     gib = 1 << 30
+    capped = ""
+    if cap is not None and cap < b.tokens:
+        mib = cap * b.draft_bytes_per_token / (1 << 20)
+        capped = f"; --max-total-tokens caps the pool at {cap} tokens ({mib:.2f} MiB of draft KV)"
     return (
         f"draft KV pool at {settled} (target {target}): {b.draft_bytes_per_token} B/token, "
         f"{b.draft_pool_bytes / gib:.2f} GiB for {b.tokens} tokens (at {target}: "
         f"{b.draft_bytes_per_token_at_target_dtype} B/token, "
         f"{b.tokens * b.draft_bytes_per_token_at_target_dtype / gib:.2f} GiB); KV capacity "
         f"{b.tokens} tokens vs {b.tokens_at_target_dtype} budgeted at the target's dtype "
-        f"({b.tokens_gained:+d})"
+        f"({b.tokens_gained:+d}){capped}"
     )

@@ -427,6 +427,11 @@ def test_budget_gains_tokens_with_an_fp8_draft():
     assert b.tokens == (40 << 30) // (target + draft_fp8) // 64 * 64
     line = budget.budget_line(b, "fp8", "bf16")
     assert "2112 B/token" in line and "GiB" in line and f"+{b.tokens_gained}" in line
+    assert "caps" not in line
+    capped = budget.budget_line(b, "fp8", "bf16", cap=4096)
+    assert capped.startswith(line)
+    assert "--max-total-tokens caps the pool at 4096 tokens (8.25 MiB of draft KV)" in capped
+    assert budget.budget_line(b, "fp8", "bf16", cap=b.tokens) == line, "a cap that bites nothing"
 
 
 def test_budget_hook_reprices_an_eagle_draft(monkeypatch, caplog):
