@@ -48,7 +48,7 @@ from sgl_atom.spec.dspark.accept import SpecStats, greedy_accept
 from sgl_atom.spec.dspark.anchors import speculative_counts, teacher_forced_loss
 from sgl_atom.spec.dspark.config import DSparkDraftConfig
 from sgl_atom.spec.dspark.llama_target import LlamaTarget
-from sgl_atom.spec.dspark.m3_target import load_target_model
+from sgl_atom.spec.dspark.m3_target import TorchTarget, load_target_model
 from sgl_atom.spec.dspark.weights import check_draft_weights
 
 TRAIN_PROMPT_SEED = 7  # training sentences: tiny._corpus(n, seed=TRAIN_PROMPT_SEED + --seed)
@@ -185,7 +185,7 @@ _LAYER_TENSORS = (
 )
 
 
-def init_from_target(w: dict, cfg: DSparkDraftConfig, target: LlamaTarget) -> list[int]:
+def init_from_target(w: dict, cfg: DSparkDraftConfig, target: TorchTarget) -> list[int]:
     """Start the draft layers from the target's last layers (same shapes needed).
 
     Draft layer i takes target layer ``L - num_draft_layers + i``; ``fc`` passes the last tap
@@ -240,7 +240,7 @@ class GreedyPool:
 
 
 def build_pool(
-    target: LlamaTarget, prompts: list[str], gen: int, *, batch: int = 4096
+    target: TorchTarget, prompts: list[str], gen: int, *, batch: int = 4096
 ) -> GreedyPool:
     """Tokenise ``prompts`` and decode ``gen`` greedy tokens after each, in batch."""
     toks = [t for t in target.encode_batch(prompts) if t]
@@ -256,7 +256,7 @@ def train(
     w: dict,
     cfg: DSparkDraftConfig,
     pool: GreedyPool,
-    target: LlamaTarget,
+    target: TorchTarget,
     *,
     steps: int,
     seed: int,
@@ -341,14 +341,14 @@ class EvalSet:
     max_new: int
 
     @classmethod
-    def build(cls, name: str, target: LlamaTarget, prompts: list[str], k: int, max_new: int):
+    def build(cls, name: str, target: TorchTarget, prompts: list[str], k: int, max_new: int):
         toks = target.encode_batch(prompts)
         seqs = target.greedy_sequences(toks, max_new + k + 1)
         return cls(name, seqs, [len(t) for t in toks], max_new)
 
 
 def measure(
-    target: LlamaTarget,
+    target: TorchTarget,
     cfg: DSparkDraftConfig,
     w: dict,
     es: EvalSet,
@@ -491,7 +491,7 @@ def reference_figures(target_dir: Path, draft_dir: Path, out: Path, n: int) -> d
 
 
 def batched_figures(
-    target: LlamaTarget, cfg: DSparkDraftConfig, w: dict, info: dict, n: int
+    target: TorchTarget, cfg: DSparkDraftConfig, w: dict, info: dict, n: int
 ) -> dict:
     """Tokens per forward on ``n`` held-out word prompts, ``n`` held-out sentences and the first
     ``n`` training prompts of each kind, with the spread over groups of 16 prompts; then the

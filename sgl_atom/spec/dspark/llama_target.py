@@ -43,6 +43,15 @@ def cached_attention(
     return o.transpose(1, 2).reshape(b, t, -1)
 
 
+def load_tokenizer(target_dir: Path):
+    """The checkpoint's ``tokenizers`` tokenizer, or None when it ships no tokenizer.json."""
+    if not (target_dir / "tokenizer.json").exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+
+
 class LlamaTarget:
     """Frozen target weights on one device; every method is batched and runs without grad."""
 
@@ -77,12 +86,7 @@ class LlamaTarget:
             k: v.float().to(device)
             for k, v in load_file(str(target_dir / "model.safetensors")).items()
         }
-        tokenizer = None
-        if (target_dir / "tokenizer.json").exists():
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-        return cls(config, weights, tokenizer)
+        return cls(config, weights, load_tokenizer(target_dir))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

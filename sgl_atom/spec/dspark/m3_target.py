@@ -38,18 +38,10 @@ import torch.nn.functional as F
 from sgl_atom.attention.sparse import SparseConfig
 from sgl_atom.kernels.sparse_attention import SPARSE_BLOCK
 from sgl_atom.models.m3_reference import gemma_rms_norm, rope_neox, route
-from sgl_atom.spec.dspark.llama_target import LlamaTarget, cached_attention
+from sgl_atom.spec.dspark.llama_target import LlamaTarget, cached_attention, load_tokenizer
 
 M3_MODEL_TYPE = "minimax_m2"  # what MiniMaxM3SparseForCausalLM checkpoints declare
 M3_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
-
-
-def _load_tokenizer(target_dir: Path):
-    if not (target_dir / "tokenizer.json").exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(target_dir / "tokenizer.json"))
 
 
 def _check_m3_config(target_dir: Path, config: dict) -> None:
@@ -102,7 +94,7 @@ class M3Target:
             k.replace(".block_sparse_moe.", ".mlp."): v.to(device=device, dtype=dtype)
             for k, v in load_file(str(target_dir / "model.safetensors")).items()
         }
-        return cls(config, weights, _load_tokenizer(target_dir))
+        return cls(config, weights, load_tokenizer(target_dir))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -249,9 +241,10 @@ class M3Target:
     greedy_sequences = LlamaTarget.greedy_sequences
 
 
-def load_target_model(
-    target_dir: Path, device: str | torch.device = "cpu"
-) -> LlamaTarget | M3Target:
+TorchTarget = LlamaTarget | M3Target  # the pure-torch targets distillation and training run
+
+
+def load_target_model(target_dir: Path, device: str | torch.device = "cpu") -> TorchTarget:
     """LlamaTarget or M3Target by config.json's model_type (float32 on ``device``)."""
     target_dir = Path(target_dir)
     model_type = json.loads((target_dir / "config.json").read_text()).get("model_type")

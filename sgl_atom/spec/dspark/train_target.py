@@ -42,13 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from sgl_atom.spec.dspark.llama_target import LlamaTarget
-from sgl_atom.spec.dspark.m3_target import M3_MODEL_TYPE, M3Target, load_target_model
+from sgl_atom.spec.dspark.m3_target import M3_MODEL_TYPE, M3Target, TorchTarget, load_target_model
 
 NUM_CLASSES = 4
 SUCCESSOR_PROBS = {1: (1.0,), 2: (0.7, 0.3), 3: (0.6, 0.25, 0.15)}
 MAX_WORD_TOKENS = 3
 INFO_FILE = "train_target.json"
-Model = LlamaTarget | M3Target
 _COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -192,7 +191,7 @@ def init_weights(config: dict, seed: int, device) -> dict[str, torch.Tensor]:
 
 def init_model(
     config: dict, base: Path, seed: int, device, tokenizer
-) -> tuple[Model, dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[TorchTarget, dict[str, torch.Tensor], dict[str, str]]:
     """(model, trainable weights, {weight name: checkpoint name}).
 
     A llama config starts from :func:`init_weights`; an M3 config from ``base``'s own weights
@@ -210,7 +209,7 @@ def init_model(
     return M3Target(config, w, tokenizer), w, names
 
 
-def lm_logits(model: Model, ids: torch.Tensor) -> torch.Tensor:
+def lm_logits(model: TorchTarget, ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, vocab] through the target's own layers, with autograd."""
     x = model.embed[ids]
     for i in range(model.num_layers):
@@ -218,7 +217,7 @@ def lm_logits(model: Model, ids: torch.Tensor) -> torch.Tensor:
     return model._norm(x, "model.norm.weight") @ model.lm_head.T
 
 
-def chain_loss(model: Model, ids: torch.Tensor, chain: torch.Tensor, amp: bool):
+def chain_loss(model: TorchTarget, ids: torch.Tensor, chain: torch.Tensor, amp: bool):
     """Mean next-token cross-entropy over tokens of chain words, and the argmax hits there."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         logits = lm_logits(model, ids[:, :-1])
@@ -230,7 +229,7 @@ def chain_loss(model: Model, ids: torch.Tensor, chain: torch.Tensor, amp: bool):
 
 
 @torch.no_grad()
-def choice_agreement(model: Model, chain: WordChain, words, plen, length, amp) -> float:
+def choice_agreement(model: TorchTarget, chain: WordChain, words, plen, length, amp) -> float:
     """Share of chain words whose first token the model's argmax gives as the chain's choice,
     predicted from the position before the word."""
     ids, is_chain = chain.tokens(words, plen, length)
@@ -250,7 +249,7 @@ def choice_agreement(model: Model, chain: WordChain, words, plen, length, amp) -
 
 
 @torch.no_grad()
-def greedy_follow(model: Model, chain: WordChain, prompts: list[str], max_new: int) -> dict:
+def greedy_follow(model: TorchTarget, chain: WordChain, prompts: list[str], max_new: int) -> dict:
     """How closely greedy continuations of ``prompts`` follow the chain's choices."""
     toks = model.encode_batch(prompts)
     seqs = model.greedy_sequences(toks, max_new)
