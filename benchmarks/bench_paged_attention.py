@@ -136,11 +136,16 @@ DECODE_TUNE = [
 ]
 
 
-# fp8: K/V cast to fp16 (q scaled into fp16 range), or to bf16 as before (kv_mode "bf16")
-DECODE_TUNE_FP8 = [dict(kv_mode="bf16", block_n=128, num_warps=4, num_stages=2)] + [
-    dict(kv_mode="f16", block_n=bn, num_warps=w, num_stages=s)
-    for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 4, 2))
-]
+# fp8: K/V moved into bf16 bits (kv_mode "bits", the default), converted to fp16 ("f16"), or
+# cast to bf16 as before ("bf16"): common.KV_MODES
+DECODE_TUNE_FP8 = (
+    [dict(kv_mode="bf16", block_n=128, num_warps=4, num_stages=2)]
+    + [dict(kv_mode="f16", block_n=128, num_warps=4, num_stages=2)]
+    + [
+        dict(kv_mode="bits", block_n=bn, num_warps=w, num_stages=s)
+        for bn, w, s in ((64, 4, 3), (64, 4, 5), (128, 4, 2), (128, 4, 3), (128, 4, 4), (256, 4, 2))
+    ]
+)
 FP8_OLD = dict(kv_mode="bf16", block_n=128, num_warps=4, num_stages=2)
 
 
@@ -189,8 +194,10 @@ def bench_decode(copy_gbs, picks, log):
                 if name in ("bf16-ps16", "fp8-bf16cast (old)") and ctx != 32768:
                     continue
                 p = picks[fp8]
-                cfg = FP8_OLD if "old" in name else p["cfg"]
-                res[name] = time_decode(batch, ctx, page, fp8, waves=p["waves"], **cfg)
+                if "old" in name:  # the previous fp8 default: bf16 cast, 2 waves
+                    res[name] = time_decode(batch, ctx, page, fp8, waves=2.0, **FP8_OLD)
+                else:
+                    res[name] = time_decode(batch, ctx, page, fp8, waves=p["waves"], **p["cfg"])
             for name, (ms, splits) in res.items():
                 gbs = kv_bytes(batch, ctx, name.startswith("fp8")) / ms / 1e6
                 rows.append(
@@ -233,7 +240,11 @@ EXTEND_TUNE = [
 def bench_extend(mm_tflops, log):
     rows = []
     n = 8192
-    for fp8 in (False, True):
+    for label, fp8, mode in (
+        ("bf16", False, None),
+        ("fp8", True, "bits"),
+        ("fp8-bf16cast (old)", True, "bf16"),
+    ):
         k, v, ks, vs, table, lens = paged(1, n, 64, fp8)
         q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
         qo = torch.tensor([0, n], dtype=torch.int32, device="cuda")
@@ -255,6 +266,7 @@ def bench_extend(mm_tflops, log):
                         k_scale=ks,
                         v_scale=vs,
                         max_qo_len=n,
+                        kv_mode=mode,
                         **cfg,
                     ),
                     graph=False,
@@ -262,7 +274,7 @@ def bench_extend(mm_tflops, log):
             except Exception as e:
                 log(f"extend cfg {cfg} failed: {e!r:.300}")
                 continue
-            log(f"extend fp8={fp8} {cfg}: {ms:.3f} ms")
+            log(f"extend {label} {cfg}: {ms:.3f} ms")
             best = min(best or (ms, cfg), (ms, cfg), key=lambda x: x[0])
         ms, cfg = best
         qs = q.view(1, n, HQ, D).transpose(1, 2)
@@ -274,7 +286,7 @@ def bench_extend(mm_tflops, log):
         tf = flops / ms / 1e9
         rows.append(
             [
-                f"extend {'fp8' if fp8 else 'bf16'}",
+                f"extend {label}",
                 f"prefill {n} causal",
                 f"M{cfg['block_m']} N{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}",
                 ms,

@@ -89,6 +89,75 @@ def on_cpu(t: torch.Tensor) -> bool:
 
 
 LOG2E = 1.4426950408889634
+# how fp8 K/V meet q in the dots (attend_tile, prepare_q):
+#   "bf16": K/V cast to bf16 (Triton's conversion, two steps per pair through fp16 and fp32);
+#   "f16": cast to fp16 (one conversion per pair), q scaled into fp16 range per row, V scales
+#     normalized by the tile's largest;
+#   "fp8": q quantized to e4m3 for the K dot (q's own error ~5e-2 relative: too coarse), V as f16;
+#   "bits": the e4m3 bits moved into bf16 bits with integer operations (`fp8_bits`, exact: the
+#     value times 2^-120), q times 2^64 and p times v_scale * 2^112, the powers of two undone on
+#     the scores and on the output; numerically the "bf16" cast, with no conversion at all (on
+#     H200 it beat K-only bits with V cast, benchmarks/results/tune_fp8_decode.log's "kbits").
+KV_MODES = {"bf16": 0, "f16": 1, "fp8": 2, "bits": 3}
+
+
+def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
+    """The KV_MODES value for fp8 K/V: `kv_mode`, by default "bits" for a bf16 q and, for an
+    fp16 q, mode 0 (K/V cast to fp16: "bits" would round q to bf16)."""
+    if kv_mode is None:
+        kv_mode = "bits" if q.dtype == torch.bfloat16 else "bf16"
+    if kv_mode not in KV_MODES:
+        raise ValueError(f"kv_mode {kv_mode!r} is not one of {sorted(KV_MODES)}")
+    return KV_MODES[kv_mode]
+Q_BITS_SCALE = tl.constexpr(2.0**64)  # "bits": q times this ...
+QK_BITS_SCALE = tl.constexpr(2.0**56)  # ... and K's 2^-120: the scores come out times 2^-56
+P_BITS_SCALE = tl.constexpr(2.0**112)  # "bits": p * v_scale times this, V's 2^-120: out 2^-8
+OUT_BITS_SCALE = tl.constexpr(256.0)
+
+
+@triton.jit
+def fp8_bits(x, DOT_F32: tl.constexpr):
+    """float8_e4m3fn elements -> bf16 elements equal to their values times 2^-120, exactly,
+    subnormals included.
+
+    The sign goes to bit 15 and the 7 exponent and mantissa bits to bits 10..4: the exponent's
+    low 4 bits and the mantissa's top 3 (bias 127 over e4m3's 7). e4m3's NaN is never stored.
+    On a GPU this is two byte permutes and three integer operations per four elements instead
+    of Triton's conversions through fp16 and fp32; Triton's interpreter (CPU) runs the same bit
+    moves as integer operations."""
+    u = x.to(tl.uint8, bitcast=True)
+    if DOT_F32:
+        w = u.to(tl.uint16)
+        out = (((w & 0x80) << 8) | ((w & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+    else:
+        out = _bits_to_bf16_asm(u)
+    return out
+
+
+# four bytes in, two 32-bit words of bf16 lanes out: each lane first holds its byte << 8
+# (prmt), then keeps its sign bit (bit 15) and takes the other 7 bits 4 places down
+@triton.jit
+def _bits_to_bf16_asm(u):
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi, s, t;
+        prmt.b32 lo, $2, 0, 0x1404;
+        prmt.b32 hi, $2, 0, 0x3424;
+        shr.b32 s, lo, 4;
+        and.b32 t, lo, 0x80008000;
+        lop3.b32 $0, s, 0x07F007F0, t, 0xEA;
+        shr.b32 s, hi, 4;
+        and.b32 t, hi, 0x80008000;
+        lop3.b32 $1, s, 0x07F007F0, t, 0xEA;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[u],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -124,11 +193,10 @@ def attend_tile(
     log2 domain (qk_scale includes log2(e)). fp8 K/V are cast to q's dtype for the dot and their
     per-token scales applied to the scores (K) and to the probabilities (V), never to elements.
 
-    fp8 KV_MODE (see `prepare_q`): 0 casts K/V to q's dtype (bf16); 1 casts them to fp16, which
-    e4m3 converts to exactly in one instruction per pair, with q pre-scaled into fp16 range;
-    2 dots q quantized to e4m3 with the fp8 K as stored, V as in 1. In modes 1 and 2 qk_scale is
-    a [BLOCK_M] vector (q's row scale folded in) and the probabilities are scaled by v_scale over
-    the tile's largest v_scale, which multiplies the tile's p @ V once.
+    fp8 KV_MODE: a `KV_MODES` value (q as `prepare_q` made it). In modes 1 and 2 qk_scale is a
+    [BLOCK_M] vector (q's row scale folded in); in modes 1 and 2 the probabilities are scaled by
+    v_scale over the tile's largest v_scale, which multiplies the tile's p @ V once. Mode 3
+    leaves acc times 2^-8 (the kernel's epilogue multiplies by OUT_BITS_SCALE).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -144,8 +212,10 @@ def attend_tile(
         )
     else:
         k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :])
+    if FP8 and KV_MODE == 3:
+        k = fp8_bits(k, DOT_F32)
     s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    if FP8 and KV_MODE > 0:
+    if FP8 and (KV_MODE == 1 or KV_MODE == 2):
         s = s * qk_scale[:, None] * tl.load(ks_base + slot * stride_st)[None, :]
     elif FP8:
         s = s * (tl.load(ks_base + slot * stride_st) * qk_scale)[None, :]
@@ -165,7 +235,7 @@ def attend_tile(
         )
     else:
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :])
-    if FP8 and KV_MODE > 0:
+    if FP8 and (KV_MODE == 1 or KV_MODE == 2):
         vsc = tl.load(vs_base + slot * stride_st)
         vmax = tl.max(vsc, 0)
         p = p * (vsc * (1.0 / vmax))[None, :]
@@ -175,7 +245,10 @@ def attend_tile(
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         acc = acc * alpha[:, None] + pv * vmax
     else:
-        if FP8:
+        if FP8 and KV_MODE == 3:
+            v = fp8_bits(v, DOT_F32)
+            p = p * (tl.load(vs_base + slot * stride_st) * P_BITS_SCALE)[None, :]
+        elif FP8:
             p = p * tl.load(vs_base + slot * stride_st)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return acc, m_new, l_i
@@ -186,19 +259,23 @@ def prepare_q(q, qk_scale, FP8: tl.constexpr, KV_MODE: tl.constexpr, DOT_F32: tl
     """(dot operand, score scale) for q [BLOCK_M, HEAD_DIM] as loaded, per `attend_tile` mode.
 
     Mode 1: q times a power of two per row, so its largest element lies in [256, 512): exact in
-    fp16 (bf16's 8-bit significand fits in fp16's 11). Mode 2: e4m3 with scale amax / 448."""
+    fp16 (bf16's 8-bit significand fits in fp16's 11). Mode 2: e4m3 with scale amax / 448.
+    Mode 3: q times 2^64, exact in bf16, against K's 2^-120."""
     qd = q
     qsc = qk_scale
-    if FP8 and KV_MODE > 0:
+    if FP8 and (KV_MODE == 1 or KV_MODE == 2):
         qf = q.to(tl.float32)
         qmax = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)
-        if KV_MODE == 1:
+        if KV_MODE != 2:
             qs = tl.math.exp2(tl.floor(tl.math.log2(qmax)) - 8.0)
             qd = (qf * (1.0 / qs)[:, None]).to(tl.float16)
         else:
             qs = qmax / 448.0
             qd = (qf / qs[:, None]).to(tl.float8e4nv)
         qsc = qs * qk_scale
+    elif FP8 and KV_MODE == 3:
+        qd = (q.to(tl.float32) * Q_BITS_SCALE).to(tl.bfloat16)
+        qsc = qk_scale * QK_BITS_SCALE
     if DOT_F32:  # Triton's CPU interpreter multiplies 16-bit dot operands as raw bits
         qd = qd.to(tl.float32)
     return qd, qsc

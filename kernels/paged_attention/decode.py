@@ -11,15 +11,21 @@ import triton
 import triton.language as tl
 
 from ..common import next_pow2
-from .common import LOG2E, attend_tile, check_inputs, on_cpu, prepare_q
+from .common import (
+    LOG2E,
+    OUT_BITS_SCALE,
+    attend_tile,
+    check_inputs,
+    kv_mode_id,
+    on_cpu,
+    prepare_q,
+)
 
 MAX_SPLITS = 128
-# how fp8 K/V meet q in the dots (common.attend_tile): "bf16" casts K/V to bf16, "f16" to fp16
-# (one conversion instruction per pair) with q scaled into fp16 range, "fp8" dots e4m3 q with K
-# (q's own quantization error: ~5e-2 relative, too coarse). "f16" measured 5-15% slower than
-# "bf16" on H200 (benchmarks/results/paged_attention.log), so "bf16" stays the default.
-KV_MODES = {"bf16": 0, "f16": 1, "fp8": 2}
-DEFAULT_KV_MODE = "bf16"
+# fp8 K/V in the dots: common.KV_MODES, by default "bits" (common.kv_mode_id). With the bf16
+# cast the fp8 kernel was bound by issuing instructions, not by bytes (Nsight Compute on H200:
+# DRAM 37% busy, few long-scoreboard stalls, benchmarks/results/probe_fp8_decode_ncu.txt);
+# "bits" converts nothing.
 MIN_SPLIT_TOKENS = 256  # below this a split costs more in launch and merge than it saves
 _NUM_SMS: dict[int, int] = {}
 
@@ -148,6 +154,8 @@ def decode_fwd_kernel(
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if FP8 and KV_MODE == 3:
+        o = o * OUT_BITS_SCALE
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     w_ok = row_ok & (start < end)
     tl.store(
@@ -242,7 +250,7 @@ def _config(head_dim: int, rows: int, fp8: bool, cpu: bool) -> dict:
         return dict(block_n=32, num_warps=4, num_stages=2)
     # best on H200 at head_dim 128, GQA 8 (benchmarks/results/paged_attention.log)
     return (
-        dict(block_n=128, num_warps=4, num_stages=2)
+        dict(block_n=128, num_warps=4, num_stages=3)
         if fp8
         else dict(block_n=64, num_warps=4, num_stages=4)
     )
@@ -303,7 +311,7 @@ def split_kv_attention(
         )
     cfg = _config(head_dim, rows, fp8, on_cpu(q))
     block_n = block_n or cfg["block_n"]
-    kv_mode = KV_MODES[kv_mode or DEFAULT_KV_MODE] if fp8 else 0
+    kv_mode = kv_mode_id(kv_mode, q) if fp8 else 0
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     decode_fwd_kernel[(batch, kv_heads, num_splits)](
         q,
@@ -392,7 +400,8 @@ def decode_fwd(
       default `decode_num_splits` (from workspace's split dim when a workspace is given).
     workspace: `decode_workspace(batch, q_heads, head_dim, max_splits)` buffers, for graphs.
     max_context: bound on seq_lens used to pick num_splits (default page_table width × page).
-    tuning: block_n, num_warps, num_stages, kv_mode (fp8: a `KV_MODES` name) overrides.
+    tuning: block_n, num_warps, num_stages, kv_mode (fp8: a `KV_MODES` name, default by q's
+      dtype: `kv_mode_id`) overrides.
     Returns out.
     """
     return split_kv_attention(

@@ -12,7 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, attend_tile, check_inputs, on_cpu
+from .common import (
+    LOG2E,
+    OUT_BITS_SCALE,
+    attend_tile,
+    check_inputs,
+    kv_mode_id,
+    on_cpu,
+    prepare_q,
+)
 
 
 @triton.jit
@@ -41,6 +49,7 @@ def extend_fwd_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FP8: tl.constexpr,
+    KV_MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -61,8 +70,8 @@ def extend_fwd_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 dot operands as raw bits
-        q = q.to(tl.float32)
+    # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
+    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
     row_limit = prefix + tok
 
     first_tok = m_block * BLOCK_M // GROUP
@@ -100,7 +109,7 @@ def extend_fwd_kernel(
             HEAD_DIM,
             FP8,
             False,
-            0,
+            KV_MODE,
             DOT_F32,
         )
     for start_n in range(full_end, diag_end, BLOCK_N):
@@ -126,10 +135,12 @@ def extend_fwd_kernel(
             HEAD_DIM,
             FP8,
             True,
-            0,
+            KV_MODE,
             DOT_F32,
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8 and KV_MODE == 3:
+        o = o * OUT_BITS_SCALE
     tl.store(
         Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         o.to(Out.dtype.element_ty),
@@ -144,7 +155,7 @@ def _config(head_dim: int, fp8: bool, cpu: bool) -> dict:
         return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
     # best on H200 at head_dim 128, GQA 8, 8K causal (benchmarks/results/paged_attention.log)
     if fp8:
-        return dict(block_m=256, block_n=64, num_warps=8, num_stages=2)
+        return dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
     return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
@@ -165,6 +176,7 @@ def extend_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_mode: str | None = None,
 ) -> torch.Tensor:
     """Causal extend/prefill attention over the paged KV.
 
@@ -178,7 +190,8 @@ def extend_fwd(
     page_size, sm_scale: as `decode_fwd`.
     out: like q, rows of all sequences written (allocated when None).
     max_qo_len: longest qo_len (read from qo_indptr, a device sync, when None).
-    block_m (rows = tokens × GQA group), block_n, num_warps, num_stages: tuning overrides.
+    block_m (rows = tokens × GQA group), block_n, num_warps, num_stages, kv_mode (fp8: a
+      `KV_MODES` name): tuning overrides.
     Returns out.
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
@@ -225,6 +238,7 @@ def extend_fwd(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         FP8=fp8,
+        KV_MODE=kv_mode_id(kv_mode, q) if fp8 else 0,
         DOT_F32=on_cpu(q),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],

@@ -67,6 +67,57 @@ def test_extend(case):
     assert_close_rel(out, ref, TOL)
 
 
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_fp8_kv_modes(op):
+    """Every way fp8 K/V meet q in the dots is held to the reference. The integer bit moves
+    ("bits", the default) give what the bf16 cast gives: the same bf16 values times 2^-120,
+    the powers of two put back through the scales (on CPU all but a few outputs bit-equal; on a
+    GPU the tensor cores may flush e4m3's subnormals, which stay subnormal as bf16 bits)."""
+    ps, hq, hkv, d = 16, 8, 2, 128
+    lens = [63, 9, 90]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=3)
+    if op == "decode":
+        q = queries(len(lens), hq, d, DEV, seed=4)
+        ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
+
+        def run(mode):
+            return pa.decode_fwd(q, kc, vc, table, sl, ps, d**-0.5, out=_out(q), k_scale=ks,
+                                 v_scale=vs, num_splits=3, kv_mode=mode)  # fmt: skip
+    else:
+        new = [63, 1, 40]
+        q, qo = queries(sum(new), hq, d, DEV, seed=4), indptr(new, DEV)
+        ref = pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs)
+
+        def run(mode):
+            return pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), k_scale=ks,
+                                 v_scale=vs, kv_mode=mode)  # fmt: skip
+    outs = {mode: run(mode) for mode in ("bf16", "f16", "bits")}
+    for out in outs.values():
+        assert_close_rel(out, ref, TOL)
+    # the same numbers up to the output's last bit
+    torch.testing.assert_close(outs["bits"], outs["bf16"], rtol=2**-7, atol=1e-5)
+    if DEV == "cpu":
+        assert (outs["bits"] == outs["bf16"]).float().mean() > 0.999
+    assert torch.equal(run(None), outs["bits"]), "bits is the default"
+
+
+def test_fp8_kv_mode_follows_q_dtype():
+    """"bits" meets a bf16 q; an fp16 q keeps its precision (K/V cast to fp16), checked against
+    the reference; an unknown mode is refused by name."""
+    kv_mode_id, modes = pa.common.kv_mode_id, pa.common.KV_MODES
+    bf16 = torch.zeros(1, dtype=torch.bfloat16)
+    assert kv_mode_id(None, bf16) == modes["bits"]
+    assert kv_mode_id(None, bf16.half()) == modes["bf16"]
+    assert kv_mode_id("f16", bf16) == modes["f16"]
+    with pytest.raises(ValueError, match="kv_mode 'int4'"):
+        kv_mode_id("int4", bf16)
+    lens = [63, 1, 130]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 2, 64, 16, FP8, DEV, seed=5)
+    q = queries(len(lens), 8, 64, DEV).half()
+    out = pa.decode_fwd(q, kc, vc, table, sl, 16, 0.125, out=_out(q), k_scale=ks, v_scale=vs)
+    assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, 16, 0.125, ks, vs), TOL)
+
+
 @pytest.mark.parametrize("num_draft", [1, 4], ids=lambda n: f"draft{n}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_id)
 def test_verify(case, num_draft):
