@@ -64,8 +64,8 @@ def _store_rows(
     HW_ROUND: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
-    x = tl.load(
-        X + offs_t[:, None] * stride_xt + head * stride_xh + offs_d[None, :],
+    x = tl.load(  # int64 rows: a bulk store of over 2^31 / stride_xt tokens stays in range
+        X + offs_t.to(tl.int64)[:, None] * stride_xt + head * stride_xh + offs_d[None, :],
         mask=t_ok[:, None],
         other=0.0,
     )

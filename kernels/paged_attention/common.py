@@ -108,6 +108,8 @@ def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
         kv_mode = "bits" if q.dtype == torch.bfloat16 else "bf16"
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode {kv_mode!r} is not one of {sorted(KV_MODES)}")
+    if kv_mode == "bits" and q.dtype != torch.bfloat16:
+        raise ValueError(f"kv_mode 'bits' needs a bf16 q, got {q.dtype}; use 'bf16' (q's dtype)")
     return KV_MODES[kv_mode]
 Q_BITS_SCALE = tl.constexpr(2.0**64)  # "bits": q times this ...
 QK_BITS_SCALE = tl.constexpr(2.0**56)  # ... and K's 2^-120: the scores come out times 2^-56

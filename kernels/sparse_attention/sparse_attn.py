@@ -11,6 +11,15 @@ import triton
 import triton.language as tl
 
 from ..common import is_fp8, next_pow2
+from ..paged_attention.common import (
+    KV_MODES,
+    OUT_BITS_SCALE,
+    P_BITS_SCALE,
+    Q_BITS_SCALE,
+    QK_BITS_SCALE,
+    fp8_bits,
+    kv_mode_id,
+)
 from .block_select import f32_dot
 from .reference import SPARSE_BLOCK
 
@@ -56,6 +65,7 @@ def sparse_attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FP8: tl.constexpr,
+    BITS: tl.constexpr,
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr,
@@ -82,6 +92,10 @@ def sparse_attn_fwd_kernel(
             mask=(h < GROUP)[:, None],
             other=0.0,
         )
+        score_scale = qk_scale
+        if FP8 and BITS:  # paged_attention.common KV_MODES "bits": K/V as bf16 bits, no cast
+            q = (q.to(tl.float32) * Q_BITS_SCALE).to(tl.bfloat16)
+            score_scale = qk_scale * QK_BITS_SCALE
         acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -100,6 +114,8 @@ def sparse_attn_fwd_kernel(
                 mask=p_ok[:, None],
                 other=0.0,
             )
+            if FP8 and BITS:
+                k = fp8_bits(k, F32_DOT)
             if F32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -107,7 +123,7 @@ def sparse_attn_fwd_kernel(
             if FP8:
                 s = (
                     s
-                    * (tl.load(KS + slot * stride_st + kvh, mask=p_ok, other=0.0) * qk_scale)[
+                    * (tl.load(KS + slot * stride_st + kvh, mask=p_ok, other=0.0) * score_scale)[
                         None, :
                     ]
                 )
@@ -124,7 +140,11 @@ def sparse_attn_fwd_kernel(
                 mask=p_ok[:, None],
                 other=0.0,
             )
-            if FP8:
+            if FP8 and BITS:
+                v = fp8_bits(v, F32_DOT)
+                vsc = tl.load(VS + slot * stride_st + kvh, mask=p_ok, other=0.0) * P_BITS_SCALE
+                pr = pr * vsc[None, :]
+            elif FP8:
                 pr = pr * tl.load(VS + slot * stride_st + kvh, mask=p_ok, other=0.0)[None, :]
             if F32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
@@ -132,6 +152,8 @@ def sparse_attn_fwd_kernel(
                 acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if FP8 and BITS:
+            out = out * OUT_BITS_SCALE
         h_ok = (h < GROUP)[:, None]
         if SPLIT:
             split = tl.program_id(2)
@@ -253,6 +275,7 @@ def sparse_attention_fwd(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_mode: str | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over its KV head's selected blocks only.
 
@@ -269,7 +292,9 @@ def sparse_attention_fwd(
     num_splits: splits of the top-k list per (token, KV head) (default: fill the GPU);
     workspace: (partials [total_q, q_heads, num_splits, head_dim] fp32,
       lse [total_q, q_heads, num_splits] fp32), contiguous, for graph capture.
-    block_n (divides 128), num_warps, num_stages: tuning.
+    block_n (divides 128), num_warps, num_stages: tuning. kv_mode (fp8): "bits" (the default for
+      a bf16 q: K/V moved into bf16 bits, no conversion) or "bf16" (cast to q's dtype), as in
+      `paged_attention.decode_fwd`.
     Returns out.
     """
     fp8 = _check(q, k_cache, v_cache, page_table, seq_lens, selected, count, k_scale, v_scale)
@@ -335,6 +360,7 @@ def sparse_attention_fwd(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         FP8=fp8,
+        BITS=fp8 and kv_mode_id(kv_mode, q) == KV_MODES["bits"],
         DECODE=qo_indptr is None,
         SPLIT=split,
         F32_DOT=f32_dot(q),

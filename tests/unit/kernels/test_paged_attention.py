@@ -111,6 +111,8 @@ def test_fp8_kv_mode_follows_q_dtype():
     assert kv_mode_id("f16", bf16) == modes["f16"]
     with pytest.raises(ValueError, match="kv_mode 'int4'"):
         kv_mode_id("int4", bf16)
+    with pytest.raises(ValueError, match="'bits' needs a bf16 q"):
+        kv_mode_id("bits", bf16.half())
     lens = [63, 1, 130]
     kc, vc, ks, vs, table, sl = paged_kv(lens, 2, 64, 16, FP8, DEV, seed=5)
     q = queries(len(lens), 8, 64, DEV).half()

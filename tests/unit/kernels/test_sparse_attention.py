@@ -292,7 +292,7 @@ def test_init_plus_local_above_topk_is_refused():
 # ---- sparse attention ---------------------------------------------------------------------------
 
 
-def run_attention(c: Case, sel, cnt, num_splits=None, sm_scale=0.2):
+def run_attention(c: Case, sel, cnt, num_splits=None, sm_scale=0.2, kv_mode=None):
     out = poisoned(c.q.shape, c.q.dtype, c.q.device)
     return sa.sparse_attention_fwd(
         c.q,
@@ -310,6 +310,7 @@ def run_attention(c: Case, sel, cnt, num_splits=None, sm_scale=0.2):
         k_scale=c.ks,
         v_scale=c.vs,
         num_splits=num_splits,
+        kv_mode=kv_mode,
     )
 
 
@@ -334,6 +335,18 @@ def test_sparse_attention_matches_reference(mode, group, kv):
     assert_close_rel(
         run_attention(c, sel, cnt, splits), ref, tol, f"sparse attention splits={splits}"
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_attention_fp8_bits_equals_cast(mode):
+    """fp8 K/V moved into bf16 bits (the default with a bf16 q) give the bf16 cast's numbers,
+    up to the output's last bit."""
+    c = mode_case(mode, 64, dtype=torch.bfloat16, kv_fp8=True, group=4, seed=9)
+    sel, cnt = run_select(c, 3, 1, 1)
+    bits = run_attention(c, sel, cnt, 2)
+    cast = run_attention(c, sel, cnt, 2, kv_mode="bf16")
+    torch.testing.assert_close(bits, cast, rtol=2**-7, atol=1e-5)
+    assert not torch.equal(bits, run_attention(c, sel, cnt, 2, sm_scale=0.3)), "inputs matter"
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 128], ids=lambda p: f"page{p}")
