@@ -111,6 +111,8 @@ def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
     if kv_mode == "bits" and q.dtype != torch.bfloat16:
         raise ValueError(f"kv_mode 'bits' needs a bf16 q, got {q.dtype}; use 'bf16' (q's dtype)")
     return KV_MODES[kv_mode]
+
+
 Q_BITS_SCALE = tl.constexpr(2.0**64)  # "bits": q times this ...
 QK_BITS_SCALE = tl.constexpr(2.0**56)  # ... and K's 2^-120: the scores come out times 2^-56
 P_BITS_SCALE = tl.constexpr(2.0**112)  # "bits": p * v_scale times this, V's 2^-120: out 2^-8
@@ -192,13 +194,14 @@ def attend_tile(
 
     Rows are query rows (q [BLOCK_M, HEAD_DIM]); keys are gathered through the page table row.
     With MASKED, a key counts only when key < bound and key <= row_limit[row]; scores are in the
-    log2 domain (qk_scale includes log2(e)). fp8 K/V are cast to q's dtype for the dot and their
-    per-token scales applied to the scores (K) and to the probabilities (V), never to elements.
+    log2 domain (qk_scale includes log2(e)). fp8 K/V become dot operands per KV_MODE and their
+    per-token scales are applied to the scores (K) and to the probabilities (V), never to
+    elements.
 
     fp8 KV_MODE: a `KV_MODES` value (q as `prepare_q` made it). In modes 1 and 2 qk_scale is a
-    [BLOCK_M] vector (q's row scale folded in); in modes 1 and 2 the probabilities are scaled by
-    v_scale over the tile's largest v_scale, which multiplies the tile's p @ V once. Mode 3
-    leaves acc times 2^-8 (the kernel's epilogue multiplies by OUT_BITS_SCALE).
+    [BLOCK_M] vector (q's row scale folded in) and the probabilities are scaled by v_scale over
+    the tile's largest v_scale, which multiplies the tile's p @ V once. Mode 3 leaves acc times
+    2^-8 (the kernel's epilogue multiplies by OUT_BITS_SCALE).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -268,7 +271,7 @@ def prepare_q(q, qk_scale, FP8: tl.constexpr, KV_MODE: tl.constexpr, DOT_F32: tl
     if FP8 and (KV_MODE == 1 or KV_MODE == 2):
         qf = q.to(tl.float32)
         qmax = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)
-        if KV_MODE != 2:
+        if KV_MODE == 1:
             qs = tl.math.exp2(tl.floor(tl.math.log2(qmax)) - 8.0)
             qd = (qf * (1.0 / qs)[:, None]).to(tl.float16)
         else:

@@ -298,6 +298,9 @@ def sparse_attention_fwd(
     Returns out.
     """
     fp8 = _check(q, k_cache, v_cache, page_table, seq_lens, selected, count, k_scale, v_scale)
+    mode = kv_mode_id(kv_mode, q) if fp8 else KV_MODES["bf16"]
+    if mode not in (KV_MODES["bits"], KV_MODES["bf16"]):
+        raise ValueError(f"sparse attention takes kv_mode 'bits' or 'bf16', got {kv_mode!r}")
     total_q, q_heads, head_dim = q.shape
     kv_heads, topk = k_cache.shape[1], selected.shape[2]
     group = q_heads // kv_heads
@@ -360,7 +363,7 @@ def sparse_attention_fwd(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         FP8=fp8,
-        BITS=fp8 and kv_mode_id(kv_mode, q) == KV_MODES["bits"],
+        BITS=mode == KV_MODES["bits"],
         DECODE=qo_indptr is None,
         SPLIT=split,
         F32_DOT=f32_dot(q),

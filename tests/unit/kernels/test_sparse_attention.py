@@ -347,6 +347,8 @@ def test_sparse_attention_fp8_bits_equals_cast(mode):
     cast = run_attention(c, sel, cnt, 2, kv_mode="bf16")
     torch.testing.assert_close(bits, cast, rtol=2**-7, atol=1e-5)
     assert not torch.equal(bits, run_attention(c, sel, cnt, 2, sm_scale=0.3)), "inputs matter"
+    with pytest.raises(ValueError, match="takes kv_mode 'bits' or 'bf16', got 'f16'"):
+        run_attention(c, sel, cnt, 2, kv_mode="f16")
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 128], ids=lambda p: f"page{p}")
