@@ -96,11 +96,9 @@ class M3Target:
         }
         return cls(config, weights, load_tokenizer(target_dir))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+    # the same tokenizers tokenizer as LlamaTarget's
+    encode = LlamaTarget.encode
+    encode_batch = LlamaTarget.encode_batch
 
     @property
     def dense_exact_tokens(self) -> int:
