@@ -9,7 +9,7 @@ from .common import (
     check_supported,
     unsupported_reason,
 )
-from .decode import MAX_SPLITS, decode_fwd, decode_num_splits, decode_workspace
+from .decode import MAX_SPLITS, decode_fwd, decode_num_splits, decode_workspace, num_sms
 from .extend import extend_fwd
 from .reference import reference_decode, reference_extend, reference_verify
 from .verify import verify_fwd
@@ -25,6 +25,7 @@ __all__ = [
     "decode_fwd",
     "decode_num_splits",
     "decode_workspace",
+    "num_sms",
     "extend_fwd",
     "verify_fwd",
     "reference_decode",

@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import envs
@@ -59,7 +60,10 @@ class ManagedProcess:
         timeout = timeout or envs.SGL_ATOM_SERVER_TIMEOUT.get()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                self.cmd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         deadline = time.time() + timeout
@@ -150,3 +154,44 @@ class Server(ManagedProcess):
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         out = self.post("/generate", {"text": prompts, "sampling_params": params, **extra})
         return out if isinstance(out, list) else [out]
+
+
+class ServerPool:
+    """The servers of a test module (or a benchmark): started with shared base arguments and
+    environment, each stopped by PID at the end, also when a test fails."""
+
+    def __init__(self, base_args: list[str] | tuple = (), base_env: dict[str, str] | None = None):
+        self.base_args = list(base_args)
+        self.base_env = dict(base_env or {})
+        self.started: list[Server] = []
+
+    def start(self, model, args=(), timeout: float | None = None, **kw) -> Server:
+        """Start a server; once more on a fresh port if another process took its port first
+        (servers starting side by side each pick free ports for their own sockets)."""
+        kw["env"] = {**self.base_env, **(kw.get("env") or {})}
+        for attempt in (1, 2):
+            srv = Server(model, [*self.base_args, *args], **kw)
+            self.started.append(srv)
+            try:
+                return srv.start(timeout)
+            except ServerStartError:
+                srv.stop()
+                if attempt == 2 or "address already in use" not in srv.log_text():
+                    raise
+        raise AssertionError("unreachable")
+
+    def start_many(self, jobs: dict[str, tuple], timeout: float | None = None) -> dict[str, Server]:
+        """Start servers side by side: ``{name: (model, args, env)}`` -> ``{name: Server}``."""
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            futs = {
+                name: ex.submit(self.start, model, args, timeout, env=env, name=name)
+                for name, (model, args, env) in jobs.items()
+            }
+            return {name: f.result() for name, f in futs.items()}
+
+    def stop_all(self) -> None:
+        """Stop every server side by side (a P/D server can take its whole SIGTERM grace)."""
+        with ThreadPoolExecutor(max(1, len(self.started))) as ex:
+            list(ex.map(lambda srv: srv.stop(), self.started))
+        for srv in self.started:
+            assert srv.proc is None or srv.proc.poll() is not None, f"{srv.name} still running"

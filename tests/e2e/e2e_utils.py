@@ -63,3 +63,28 @@ def teacher_forced_logprobs(srv: Server, sequences: list[list[int]], top: int = 
         for o in outs
     ]
     return lps, gaps
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    return same / sum(len(r) for r in a)
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    diffs = [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(diffs) / len(diffs)
+
+
+def divergence_gaps(ref: dict, got: list[list[int]], prompt_ids) -> list[float]:
+    """For each sequence whose greedy tokens differ from ``ref``'s, the reference's top-1/top-2
+    log-prob gap at the first differing position: how near a tie the choice was there."""
+    gaps = []
+    for k, (a, b) in enumerate(zip(ref["greedy"], got, strict=False)):
+        j = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if j is not None:
+            gaps.append(ref["gaps"][k][len(prompt_ids[k]) + j])
+    return gaps

@@ -9,7 +9,15 @@ the extend kernel with a cached prefix; generation goes through the decode kerne
 from __future__ import annotations
 
 import pytest
-from e2e_utils import greedy_from_ids, teacher_forced_logprobs, word_prompts
+from e2e_utils import (
+    divergence_gaps,
+    greedy_from_ids,
+    max_abs_diff,
+    mean_abs_diff,
+    teacher_forced_logprobs,
+    token_agreement,
+    word_prompts,
+)
 
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.testing import tiny
@@ -77,37 +85,12 @@ def runs(servers, model, prompt_ids):
     return out
 
 
-def _token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-    return same / sum(len(r) for r in a)
-
-
-def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
-def _mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    diffs = [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-    return sum(diffs) / len(diffs)
-
-
-def _divergence_gaps(ref: dict, got: list[list[int]], prompt_ids) -> list[float]:
-    """For each sequence whose greedy tokens differ from ``ref``'s, the reference's top-1/top-2
-    log-prob gap at the first differing position: how near a tie the choice was there."""
-    gaps = []
-    for k, (a, b) in enumerate(zip(ref["greedy"], got, strict=False)):
-        j = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        if j is not None:
-            gaps.append(ref["gaps"][k][len(prompt_ids[k]) + j])
-    return gaps
-
-
 def test_atom_bf16_agrees_with_torch_native(runs, report, prompt_ids):
     ref, got = runs["torch_native"], runs["atom_bf16"]
-    agree = _token_agreement(ref["greedy"], got["greedy"])
-    worst = _max_abs_diff(ref["logprobs"], got["logprobs"])
+    agree = token_agreement(ref["greedy"], got["greedy"])
+    worst = max_abs_diff(ref["logprobs"], got["logprobs"])
     same = sum(a == b for a, b in zip(ref["greedy"], got["greedy"], strict=True))
-    gaps = _divergence_gaps(ref, got["greedy"], prompt_ids)
+    gaps = divergence_gaps(ref, got["greedy"], prompt_ids)
     report(
         f"atom bf16 vs torch_native: {agree:.1%} identical greedy tokens by position, "
         f"{same}/{N_PROMPTS} sequences identical ({N_PROMPTS} prompts x {N_NEW}); max "
@@ -125,8 +108,8 @@ def test_fp8_per_token_scales_beat_upstream_per_tensor(runs, report):
     ref = runs["atom_bf16"]["logprobs"]
     per_token = runs["atom_fp8"]["logprobs"]
     per_tensor = runs["atom_fp8_per_tensor"]["logprobs"]
-    e_tok, e_ten = _mean_abs_diff(ref, per_token), _mean_abs_diff(ref, per_tensor)
-    m_tok, m_ten = _max_abs_diff(ref, per_token), _max_abs_diff(ref, per_tensor)
+    e_tok, e_ten = mean_abs_diff(ref, per_token), mean_abs_diff(ref, per_tensor)
+    m_tok, m_ten = max_abs_diff(ref, per_token), max_abs_diff(ref, per_tensor)
     report(
         f"fp8 KV vs bf16 teacher-forced |dlogprob|: per-token scales mean {e_tok:.4f} "
         f"max {m_tok:.4f}; upstream per-tensor (1.0) mean {e_ten:.4f} max {m_ten:.4f}"
@@ -135,7 +118,7 @@ def test_fp8_per_token_scales_beat_upstream_per_tensor(runs, report):
     assert "per-tensor scale 1.0" in runs["atom_fp8_per_tensor"]["log"]
     # the fp8 decode path runs and stays close to bf16 on the prompts it decoded
     fp8_greedy = runs["atom_fp8"]["greedy"]
-    agree = _token_agreement(runs["atom_bf16"]["greedy"][:FP8_GREEDY_PROMPTS], fp8_greedy)
+    agree = token_agreement(runs["atom_bf16"]["greedy"][:FP8_GREEDY_PROMPTS], fp8_greedy)
     report(
         f"atom fp8 (per-token) vs atom bf16 greedy: {agree:.1%} identical tokens "
         f"({FP8_GREEDY_PROMPTS} prompts x {N_NEW})"
@@ -161,7 +144,7 @@ def test_prefill_and_decode_backends_can_differ(servers, model, prompt_ids, runs
         srv.stop()
     want = [g[:8] for g in runs["torch_native"]["greedy"][:4]]
     assert "atom attention:" in srv.log_text()
-    assert _token_agreement(want, got) >= 0.75
+    assert token_agreement(want, got) >= 0.75
 
 
 @pytest.mark.parametrize(
