@@ -223,7 +223,7 @@ def server_args(model: str, name: str, workloads, output: int) -> list[str]:
         str(ctx),
         "--max-running-requests",
         str(max_bs),
-        "--cuda-graph-max-bs",
+        "--cuda-graph-max-bs-decode",
         str(max_bs),
         "--mem-fraction-static",
         "0.85",

@@ -43,7 +43,8 @@ COMMON = [
     "--chunked-prefill-size", "64",
     "--max-running-requests", "32",
     "--max-total-tokens", "8192",
-    "--cuda-graph-max-bs", "32",
+    "--cuda-graph-max-bs-decode", "32",
+    "--decode-log-interval", "4",
 ]  # fmt: skip
 ATOM = [*COMMON, "--attention-backend", "atom"]
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
@@ -61,7 +62,7 @@ CONFIGS = {
     ),
 }
 BF16 = [n for n in CONFIGS if n.startswith("atom-bf16")]
-FP8_PER_TOKEN = [n for n in CONFIGS if n.startswith("atom-fp8-p")]
+FP8_PER_TOKEN = [n for n in CONFIGS if n.startswith("atom-fp8-p") and "per-tensor" not in n]
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +205,11 @@ def test_pd_pair_on_one_gpu(gpu_servers):
     from test_disagg_serving import pd_pair_matches_unified  # noqa: F401  (lands with issue 16)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 15 (M3 on the GPU): the sparse path breaks SGLang's prefill CUDA-graph "
+    "capture (cudaErrorStreamCaptureInvalidated at start-up)",
+)
 def test_m3_tiny_matches_float64_reference(gpu_servers, report):
     """The tiny ``m3`` checkpoint served by sgl_atom's M3 class (sparse layers skip blocks)
     within the CPU e2e's bounds of the float64 reference forward."""
