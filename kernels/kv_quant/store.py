@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..common import FP8_MAX, FP8_SCALE_MIN, is_fp8
+from ..fp8 import round_e4m3
 
 SUPPORTED_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -17,20 +18,6 @@ QUANT = {"div": (False, False), "rcp": (True, False), "fast": (True, True)}
 DEFAULT_QUANT = "fast"
 DEFAULT_FP8_BLOCK_T = 16
 DEFAULT_FP8_HEADS = 8  # all heads of a token: its scales fill whole sectors (H200: 0.64 -> 0.48 ms)
-
-
-@triton.jit
-def _round_e4m3(x):
-    # Round fp32 to the nearest e4m3fn value (ties to even) before the cast, so the cast is exact
-    # and every backend (the CPU interpreter included) writes the same bytes.
-    bits = x.to(tl.int32, bitcast=True)
-    sign = bits & -2147483648  # the sign bit, kept by bit ops so -0.0 stays -0.0 (as torch)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits
-    normal = bits.to(tl.float32, bitcast=True)
-    ax = tl.abs(x)
-    sub = (ax + 16384.0) - 16384.0  # subnormals: multiples of 2**-9, ties to even
-    sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(ax < 0.015625, sub, normal)
 
 
 @triton.jit
@@ -84,7 +71,7 @@ def _store_rows(
                 dst, xq.to(C.dtype.element_ty, fp_downcast_rounding="rtne"), mask=t_ok[:, None]
             )
         else:
-            tl.store(dst, _round_e4m3(xq).to(C.dtype.element_ty), mask=t_ok[:, None])
+            tl.store(dst, round_e4m3(xq).to(C.dtype.element_ty), mask=t_ok[:, None])
         tl.store(S + slot * stride_st + head, scale, mask=t_ok)
     else:
         tl.store(dst, x.to(C.dtype.element_ty), mask=t_ok[:, None])

@@ -115,7 +115,7 @@ def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
 
 Q_BITS_SCALE = tl.constexpr(2.0**64)  # "bits": q times this ...
 QK_BITS_SCALE = tl.constexpr(2.0**56)  # ... and K's 2^-120: the scores come out times 2^-56
-P_BITS_SCALE = tl.constexpr(2.0**112)  # "bits": p * v_scale times this, V's 2^-120: out 2^-8
+P_BITS_SCALE = tl.constexpr(2.0**112)  # "bits": p * v_scale / tile max, times this; out 2^-8
 OUT_BITS_SCALE = tl.constexpr(256.0)
 
 
@@ -199,9 +199,9 @@ def attend_tile(
     elements.
 
     fp8 KV_MODE: a `KV_MODES` value (q as `prepare_q` made it). In modes 1 and 2 qk_scale is a
-    [BLOCK_M] vector (q's row scale folded in) and the probabilities are scaled by v_scale over
-    the tile's largest v_scale, which multiplies the tile's p @ V once. Mode 3 leaves acc times
-    2^-8 (the kernel's epilogue multiplies by OUT_BITS_SCALE).
+    [BLOCK_M] vector (q's row scale folded in). In every mode the probabilities are scaled by
+    v_scale over the tile's largest v_scale, which multiplies the tile's p @ V once. Mode 3
+    leaves acc times 2^-8 (the kernel's epilogue multiplies by OUT_BITS_SCALE).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -220,10 +220,16 @@ def attend_tile(
     if FP8 and KV_MODE == 3:
         k = fp8_bits(k, DOT_F32)
     s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    if FP8 and (KV_MODE == 1 or KV_MODE == 2):
-        s = s * qk_scale[:, None] * tl.load(ks_base + slot * stride_st)[None, :]
-    elif FP8:
-        s = s * (tl.load(ks_base + slot * stride_st) * qk_scale)[None, :]
+    if FP8:
+        # masked: a key past the sequence maps to page 0, whose scale may be anything
+        if MASKED:
+            ksc = tl.load(ks_base + slot * stride_st, mask=n_ok, other=1.0)
+        else:
+            ksc = tl.load(ks_base + slot * stride_st)
+        if KV_MODE == 1 or KV_MODE == 2:
+            s = s * qk_scale[:, None] * ksc[None, :]
+        else:
+            s = s * (ksc * qk_scale)[None, :]
     else:
         s = s * qk_scale
     if MASKED:
@@ -240,21 +246,27 @@ def attend_tile(
         )
     else:
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :])
-    if FP8 and (KV_MODE == 1 or KV_MODE == 2):
-        vsc = tl.load(vs_base + slot * stride_st)
-        vmax = tl.max(vsc, 0)
+    if FP8:
+        # p times v_scale over the tile's largest v_scale, which multiplies p @ V once: the dot
+        # operand stays in (0, 1] (x 2^112 in mode 3), so a small V scale cannot underflow an
+        # fp16 operand and a large one cannot overflow mode 3's power of two
+        if MASKED:
+            vsc = tl.load(vs_base + slot * stride_st, mask=n_ok, other=0.0)
+        else:
+            vsc = tl.load(vs_base + slot * stride_st)
+        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
         p = p * (vsc * (1.0 / vmax))[None, :]
-        if DOT_F32:
+        if KV_MODE == 3:
+            v = fp8_bits(v, DOT_F32)
+            pv = tl.dot((p * P_BITS_SCALE).to(q.dtype), v.to(q.dtype))
+        elif DOT_F32:
             pv = tl.dot(p, v.to(tl.float32))
+        elif KV_MODE == 0:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         else:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         acc = acc * alpha[:, None] + pv * vmax
     else:
-        if FP8 and KV_MODE == 3:
-            v = fp8_bits(v, DOT_F32)
-            p = p * (tl.load(vs_base + slot * stride_st) * P_BITS_SCALE)[None, :]
-        elif FP8:
-            p = p * tl.load(vs_base + slot * stride_st)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return acc, m_new, l_i
 

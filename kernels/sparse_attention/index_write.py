@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..common import FP8_MAX, FP8_SCALE_MIN, is_fp8, next_pow2
+from ..fp8 import round_e4m3
 
 
 @triton.jit
@@ -34,9 +35,11 @@ def index_write_kernel(
     slot = tl.load(LOC + t, mask=t_ok, other=0).to(tl.int64)
     dst = C + slot[:, None] * INDEX_DIM + d[None, :]
     if FP8:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX_C, SCALE_MIN)
-        y = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-        tl.store(dst, y.to(C.dtype.element_ty), mask=mask)
+        # as the K/V store: IEEE division (div_rn, as torch) and rounding to e4m3 in software,
+        # so the cast is exact (Triton's interpreter does not round its fp8 cast correctly)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX_C), SCALE_MIN)
+        y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C)
+        tl.store(dst, round_e4m3(y).to(C.dtype.element_ty), mask=mask)
         tl.store(CS + slot, scale, mask=t_ok)
     else:
         tl.store(dst, x.to(C.dtype.element_ty), mask=mask)

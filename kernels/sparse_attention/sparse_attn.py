@@ -140,16 +140,21 @@ def sparse_attn_fwd_kernel(
                 mask=p_ok[:, None],
                 other=0.0,
             )
-            if FP8 and BITS:
-                v = fp8_bits(v, F32_DOT)
-                vsc = tl.load(VS + slot * stride_st + kvh, mask=p_ok, other=0.0) * P_BITS_SCALE
-                pr = pr * vsc[None, :]
-            elif FP8:
-                pr = pr * tl.load(VS + slot * stride_st + kvh, mask=p_ok, other=0.0)[None, :]
+            vmax = 1.0
+            if FP8:
+                # v_scale over the tile's largest (paged_attention.common.attend_tile): the dot
+                # operand cannot underflow fp16 nor overflow the bits mode's power of two
+                vsc = tl.load(VS + slot * stride_st + kvh, mask=p_ok, other=0.0)
+                vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
+                pr = pr * (vsc * (1.0 / vmax))[None, :]
+                if BITS:
+                    v = fp8_bits(v, F32_DOT)
+                    pr = pr * P_BITS_SCALE
             if F32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+                pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
+                pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv * vmax
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if FP8 and BITS:

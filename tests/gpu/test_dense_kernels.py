@@ -75,6 +75,28 @@ def test_decode(dtype, ps, hq, hkv, d):
     assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs), TOL)
 
 
+@pytest.mark.parametrize("v_gain", [0.05, 0.005], ids=["v-x0.05", "v-x0.005"])
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_fp16_q_fp8_kv_small_v_long_context(op, v_gain):
+    """fp16 q (--dtype float16) over fp8 K/V at 32K context with small V values: the V scale
+    must not push p * v_scale into fp16's subnormals (it multiplies the tile's p @ V instead)."""
+    ps, hq, hkv, d = 16, 32, 8, 128
+    lens = [32768, 20000]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=21)
+    vs = vs * v_gain
+    new = [1, 1] if op == "decode" else [64, 9]
+    q = queries(sum(new), hq, d, DEV, seed=22).half()
+    out = poisoned(q.shape, q.dtype, DEV)
+    if op == "decode":
+        pa.decode_fwd(q, kc, vc, table, sl, ps, d**-0.5, out=out, k_scale=ks, v_scale=vs)
+        ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
+    else:
+        qo = indptr(new, DEV)
+        pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=out, k_scale=ks, v_scale=vs)
+        ref = pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs)
+    assert_close_rel(out, ref, TOL)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 @pytest.mark.parametrize("ps", [1, 64], ids=lambda p: f"ps{p}")
 @pytest.mark.parametrize(
