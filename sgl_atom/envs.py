@@ -99,6 +99,13 @@ SGL_ATOM_PD_WRITE_DELAY_MS = EnvVar(
     "atom P/D transfer backend, fault-injection tests only: the producer sleeps this many ms "
     "before each chunk's writes (0: off).",
 )
+SGL_ATOM_REQUEST_CHECKS = EnvVar(
+    "SGL_ATOM_REQUEST_CHECKS",
+    True,
+    "Answer requests that would crash SGLang's scheduler (input ids outside the vocabulary, an "
+    "empty prompt, top_logprobs_num above the vocabulary, top_k < -1 or 0, n outside 1..256) "
+    "with a 400 naming the field; 'off' leaves SGLang's own validation alone.",
+)
 
 ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CPU_MODE,
@@ -112,4 +119,5 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_DSPARK_FAULT,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
+    SGL_ATOM_REQUEST_CHECKS,
 )

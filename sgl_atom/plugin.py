@@ -7,7 +7,7 @@ here is logged loudly at ERROR with the remedy, and re-raised.
 
 from __future__ import annotations
 
-from . import cpu_mode
+from . import cpu_mode, envs
 from .log import get_logger
 
 logger = get_logger("sgl_atom.plugin")
@@ -52,6 +52,11 @@ def _register_all() -> list[str]:
 
     m3_atom_unwrapped.install()
     names.append("patch:m3_atom_unwrapped")
+    if envs.SGL_ATOM_REQUEST_CHECKS.get():
+        from .patches import request_checks
+
+        request_checks.install()
+        names.append("patch:request_checks")
     if cpu_mode.cpu_mode_enabled():
         from . import cpu_spec_ops
         from .patches import cpu_fp8_kv, cpu_gloo_groups, cpu_kv_move

@@ -156,4 +156,16 @@ LEDGER: tuple[LedgerEntry, ...] = (
         upstream="sglang 0.5.23 srt/layers/attention/attention_registry.py attn_backend_wrapper",
         remove_when="SGLang lets a model or backend opt out of the MiniMax sparse wrapper",
     ),
+    LedgerEntry(
+        module="sgl_atom.patches.request_checks",
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        why=(
+            "In SGLang 0.5.23 one request can crash the whole server: input ids outside the "
+            "vocabulary, an empty prompt on a tokenizer without BOS, top_logprobs_num above the "
+            "vocabulary. The BEFORE hook raises ValueError naming the field (HTTP 400) before the "
+            "request reaches a scheduler; SGL_ATOM_REQUEST_CHECKS=off turns it off."
+        ),
+        upstream="sglang 0.5.23 srt/managers/tokenizer_manager.py _validate_one_request",
+        remove_when="SGLang validates token ids, empty prompts and top_logprobs_num itself",
+    ),
 )

@@ -55,6 +55,47 @@ def test_frontend_language_program_returns_text(tp1):
     assert isinstance(state["answer"], str) and len(state["answer"]) > 0
 
 
+# each of these crashed the whole server in SGLang 0.5.23 (patches/request_checks)
+BAD_REQUESTS = {
+    "id-past-vocab": ("/generate", {"input_ids": [1, 600]}, "outside the vocabulary"),
+    "id-negative": ("/generate", {"input_ids": [5, -1]}, "outside the vocabulary"),
+    "id-2^40": ("/generate", {"input_ids": [2**40]}, "outside the vocabulary"),
+    "empty-text": ("/generate", {"text": ""}, "the prompt is empty"),
+    "empty-in-batch": ("/generate", {"text": ["Hello world", ""]}, "the prompt is empty"),
+    "top-logprobs": (
+        "/generate",
+        {"text": "Hello", "return_logprob": True, "top_logprobs_num": 100000},
+        "top_logprobs_num",
+    ),
+    "completions-ids": ("/v1/completions", {"model": "m", "prompt": [1, 600]}, "vocabulary"),
+    "completions-logprobs": (
+        "/v1/completions",
+        {"model": "m", "prompt": "Hello", "logprobs": 100000},
+        "top_logprobs_num",
+    ),
+    "top_k": ("/generate", {"text": "Hello", "sampling_params": {"top_k": -5}}, "top_k"),
+    "n0": ("/generate", {"text": "Hello", "sampling_params": {"n": 0}}, "n"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_400_and_server_stays_up(tp1, case):
+    import urllib.error
+
+    path, payload, needle = BAD_REQUESTS[case]
+    if path == "/generate":
+        payload = {"sampling_params": {"max_new_tokens": 2}, **payload}
+    else:
+        payload = {"max_tokens": 2, **payload}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        tp1.post(path, payload, timeout=60)
+    body = err.value.read().decode(errors="replace")
+    assert err.value.code == 400, body
+    assert needle in body, body
+    out = tp1.generate(["Hello world"], max_new_tokens=2)[0]  # the server still serves
+    assert len(out["output_ids"]) == 2
+
+
 def test_bad_model_path_fails_with_sglangs_error():
     srv = Server("/nonexistent/sgl-atom-model", ["--max-total-tokens", "1024"], name="bad")
     with pytest.raises(ServerStartError) as err:
