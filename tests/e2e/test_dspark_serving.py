@@ -233,8 +233,10 @@ def test_metrics_report_tokens_per_forward(spec_run, report):
         ([*SPEC, "--speculative-num-draft-tokens", "3"], MODELS_ENV,
          "does not match the draft's block size k=4"),
         (SPEC, FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"),
+        ([*SPEC, "--attention-backend", "torch_native"], MODELS_ENV,
+         f"--speculative-algorithm {NAME} needs --attention-backend atom"),
     ],
-    ids=["no-draft", "window-mismatch", "no-model-package"],
+    ids=["no-draft", "window-mismatch", "no-model-package", "torch-native"],
 )
 def test_refused_at_startup(chain_target, args, env, message):
     srv = Server(chain_target, ["--attention-backend", "atom", *args], env=env, name="refused")

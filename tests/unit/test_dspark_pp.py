@@ -41,8 +41,26 @@ def _server_args(**over) -> SimpleNamespace:
         enable_dp_attention=False,
         pp_size=2,
         disaggregation_mode="prefill",
+        attention_backend="atom",
     )
     return SimpleNamespace(**{**args, **over})
+
+
+@pytest.mark.parametrize(
+    "over, given",
+    [
+        ({"attention_backend": "torch_native"}, "got --attention-backend torch_native"),
+        ({"attention_backend": None}, "got no --attention-backend"),
+        ({"decode_attention_backend": "triton"}, "got --decode-attention-backend triton"),
+        ({"attention_backend": None, "prefill_attention_backend": "atom"},
+         "got no --attention-backend"),
+    ],
+    ids=["torch_native", "unset", "decode-triton", "prefill-only"],
+)  # fmt: skip
+def test_non_atom_attention_backend_refused(over, given):
+    with pytest.raises(ValueError, match="needs --attention-backend atom") as err:
+        _algo().handle_server_args(_server_args(**over))
+    assert given in str(err.value)
 
 
 @pytest.mark.parametrize("mode", ["null", "decode"])

@@ -98,6 +98,7 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         return spec_info
 
     def handle_server_args(self, server_args) -> None:
+        check_attention_backend(server_args)
         k = _draft_block_size(server_args.speculative_draft_model_path)
         given = server_args.speculative_num_draft_tokens
         if given is not None and int(given) != k + 1:
@@ -120,6 +121,27 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         server_args.speculative_eagle_topk = 1
         server_args.disable_overlap_schedule = True
         server_args.enable_mixed_chunk = False
+
+
+def check_attention_backend(server_args) -> None:
+    """Refuse, at argument time (before any weight loads), a backend other than atom: the
+    draft's context write and the target-verify step run through the atom backend's kernels."""
+    default = getattr(server_args, "attention_backend", None)
+    for flag, attr in (
+        ("--prefill-attention-backend", "prefill_attention_backend"),
+        ("--decode-attention-backend", "decode_attention_backend"),
+    ):
+        value = getattr(server_args, attr, None) or default
+        if value != "atom":
+            given = (
+                f"{flag} {value}"
+                if getattr(server_args, attr, None)
+                else (f"--attention-backend {default}" if default else "no --attention-backend")
+            )
+            raise ValueError(
+                f"--speculative-algorithm {NAME} needs --attention-backend atom (its draft and "
+                f"target-verify run through the atom backend's kernels); got {given}"
+            )
 
 
 def _worker_factory(server_args):
