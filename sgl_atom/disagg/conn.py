@@ -25,6 +25,7 @@ host; UCX's own variables pick NIXL's transport).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -48,6 +49,7 @@ from sglang.srt.server_args import ServerArgs
 
 from sgl_atom import envs
 from sgl_atom.disagg import wire
+from sgl_atom.disagg.bind import control_plane_address
 from sgl_atom.disagg.draft_registry import draft_pool
 from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
@@ -178,7 +180,14 @@ class AtomKVManager(CommonKVManager):
                 "--disaggregation-transfer-backend atom moves MHA KV pools (K and V per layer); "
                 "this model uses an MLA pool: use mooncake or nixl for it"
             )
+        bound = control_plane_address(server_args.host)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        logger.info(
+            "atom P/D control plane listens on %s (%s); UCX devices: %s",
+            self.local_ip,
+            "from --host" if bound else "SGLang's choice for a wildcard --host",
+            os.environ.get("UCX_NET_DEVICES", "all"),
+        )
         self.export = self._describe_pool(args)
         role = "p" if disaggregation_mode == DisaggregationMode.PREFILL else "d"
         self.engine = NixlEngine(f"atom-{role}{self.pp_rank}.{self.attn_tp_rank}-{uuid.uuid4()}")

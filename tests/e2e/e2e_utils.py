@@ -88,3 +88,36 @@ def divergence_gaps(ref: dict, got: list[list[int]], prompt_ids) -> list[float]:
         if j is not None:
             gaps.append(ref["gaps"][k][len(prompt_ids[k]) + j])
     return gaps
+
+
+def listening_sockets(pgid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in process group ``pgid`` (Linux /proc)."""
+    import glob
+    import ipaddress
+    import os
+
+    inodes = set()
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            if os.getpgid(int(d[6:])) != pgid:
+                continue
+            for fd in glob.glob(f"{d}/fd/*"):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                addr_hex, port_hex = cols[1].split(":")
+                raw = bytes.fromhex(addr_hex)
+                # /proc prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                found.append((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
+    return found
+

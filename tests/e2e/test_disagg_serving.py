@@ -19,6 +19,7 @@ Two groups of processes on 127.0.0.1 per module:
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from e2e_utils import word_prompts
+from e2e_utils import listening_sockets, word_prompts
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
@@ -40,8 +41,8 @@ from sgl_atom.testing.server import Server, free_port
 
 PROMPTS = word_prompts(16, seed=31, min_words=4, max_words=16)
 MAX_NEW = 16
-# Control sockets and UCX on loopback; SGLang's own variables.
-PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
+# UCX over TCP. Control sockets and UCX listen on --host (127.0.0.1) by default.
+PD_ENV = {"UCX_TLS": "tcp,self"}
 SPEC_ENV = {
     **PD_ENV,
     "SGL_ATOM_CPU_KERNELS": "reference",
@@ -107,6 +108,7 @@ class PD:
     slow_bootstrap: int
     other_decode: Server
     bf16_decode: Server
+    nccl_ports: dict[str, int]
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +120,12 @@ def chain():
 def pd(servers, chain):
     hd32 = tiny.build(cache_dir() / "tiny" / "llama-hd32", "llama-hd32")
     bp, slow_bp = free_port(), free_port()
+    nccl = {"prefill": free_port(), "decode": free_port()}  # torch's TCPStore listens there
     jobs = {
         "unified": (chain, FP8, SPEC_ENV),
-        "prefill": (chain, FP8 + prefill_args(bp), SPEC_ENV),
-        "decode": (chain, FP8 + DECODE_ARGS, DECODE_ENV),
+        "prefill": (chain, [*FP8, *prefill_args(bp), "--nccl-port", str(nccl["prefill"])],
+                    SPEC_ENV),
+        "decode": (chain, [*FP8, *DECODE_ARGS, "--nccl-port", str(nccl["decode"])], DECODE_ENV),
         "slow_prefill": (
             chain,
             FP8 + prefill_args(slow_bp),
@@ -144,9 +148,20 @@ def pd(servers, chain):
             slow_bootstrap=slow_bp,
             other_decode=started["other_decode"],
             bf16_decode=started["bf16_decode"],
+            nccl_ports=nccl,
         )
     finally:
         router.stop()
+
+
+def test_control_plane_listens_on_host_only(pd):
+    """With --host 127.0.0.1 and no SGLANG_HOST_IP / UCX_NET_DEVICES, nothing of a P/D server
+    listens beyond loopback but torch's TCPStore (SGLang's --nccl-port, all interfaces)."""
+    for name, srv in (("prefill", pd.prefill), ("decode", pd.decode)):
+        socks = listening_sockets(srv.proc.pid)
+        off = [(a, p) for a, p in socks if not ipaddress.ip_address(a).is_loopback]
+        assert [p for _, p in off] in ([], [pd.nccl_ports[name]]), (name, off)
+        assert "atom P/D control plane listens on 127.0.0.1 (from --host)" in srv.log_text()
 
 
 @pytest.fixture(scope="module")
