@@ -329,7 +329,8 @@ class AtomKVManager(CommonKVManager):
             logger.warning("atom P/D: a consumer sent a %s; ignored", type(m).__name__)
 
     def _on_handshake(self, hs: wire.Handshake) -> None:
-        self.refused.pop(hs.agent_name, None)
+        if self._claimed_by_another(hs):
+            return
         try:
             plan = plan_for_peer(
                 self.export, self.attn_tp_rank, self.attn_tp_size, self.is_last_stage, self.aux, hs
@@ -357,6 +358,27 @@ class AtomKVManager(CommonKVManager):
             len(plan.pairs),
             ",".join(modes) or "nothing to send",
         )
+
+    def _claimed_by_another(self, hs: wire.Handshake) -> bool:
+        """An agent name is bound to its first handshake (names carry a per-boot uuid): the
+        same handshake again is a no-op, a different one claiming a bound name is ignored, so a
+        forged claim can neither refuse the real decode nor divert its failure notices."""
+        name = hs.agent_name
+        peer = self.peers.get(name)
+        if peer is None and name not in self.refused:
+            return False
+        if peer is not None and peer.hs == hs:
+            return True
+        first = peer.target if peer is not None else self.refused_targets.get(name)
+        logger.error(
+            "atom P/D: ignored a second handshake claiming agent %s (status endpoint %s:%d): "
+            "the name is bound to its first handshake (%s:%d)",
+            name,
+            hs.status_host,
+            hs.status_port,
+            *(first or ("?", 0)),
+        )
+        return True
 
     def _on_request(self, req: wire.TransferRequest) -> None:
         room = req.room

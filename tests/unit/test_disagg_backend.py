@@ -323,3 +323,42 @@ def test_peer_kinds_mark_the_consumer_regions_that_are_gpu_memory():
     kinds = peer_kinds(replace(hs, region_devices=devices))
     want = {a: ("VRAM", d) for a, d in zip(hs.region_addrs, devices, strict=True) if d >= 0}
     assert kinds == want and len(kinds) == sum(d >= 0 for d in devices) > 0
+
+
+def _producer_manager():
+    """The producer side of AtomKVManager without its sockets and NIXL agent."""
+    from sgl_atom.disagg.conn import AtomKVManager
+
+    mgr = object.__new__(AtomKVManager)
+    mgr.export = describe_pool(_pool(), tp_rank=0, tp_size=1, total_kv_heads=2)
+    mgr.attn_tp_rank, mgr.attn_tp_size, mgr.pp_rank, mgr.pp_size = 0, 1, 0, 1
+    mgr.is_last_stage, mgr.aux = True, [(0, 64, 8)]
+    mgr.peers, mgr.refused, mgr.refused_targets = {}, {}, {}
+    added = []
+    mgr.engine = SimpleNamespace(add_peer=lambda name, *a: added.append(name))
+    return mgr, added
+
+
+def test_agent_name_is_bound_to_its_first_handshake():
+    """A forged handshake reusing an accepted decode's agent name (printed in its log) changes
+    nothing: the real decode stays accepted and its failure notices keep their endpoint."""
+    mgr, added = _producer_manager()
+    real = _consumer(_pool())
+    mgr._on_handshake(real)
+    assert "d0" in mgr.peers and added == ["d0"]
+    forged = _consumer(_pool(layers=1))  # a layout that would be refused
+    forged = wire.Handshake(**{**forged.__dict__, "status_port": 9999})
+    mgr._on_handshake(forged)
+    assert mgr.peers["d0"].hs == real and "d0" not in mgr.refused and added == ["d0"]
+    mgr._on_handshake(real)  # the same decode registering again: a no-op
+    assert mgr.peers["d0"].hs == real and added == ["d0"]
+
+
+def test_refused_agent_keeps_its_first_endpoint():
+    mgr, added = _producer_manager()
+    bad = _consumer(_pool(layers=1))
+    mgr._on_handshake(bad)
+    assert "d0" in mgr.refused and mgr.refused_targets["d0"] == ("127.0.0.1", 4321)
+    mgr._on_handshake(wire.Handshake(**{**_consumer(_pool()).__dict__, "status_port": 9999}))
+    assert "d0" not in mgr.peers and mgr.refused_targets["d0"] == ("127.0.0.1", 4321)
+    assert added == []
