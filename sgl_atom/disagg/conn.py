@@ -68,6 +68,14 @@ class AtomTransferError(RuntimeError):
     """A room could not be moved; the message says which peer, region or buffer and why."""
 
 
+def limit_inbound_frames(sock: Any) -> None:
+    """ZMQ drops a peer whose frame is over the wire format's limit as it arrives, instead of
+    buffering a frame of any size for :func:`wire.decode` to refuse."""
+    import zmq
+
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_INBOUND_FRAME)
+
+
 @dataclass
 class _Peer:
     """A decode rank this prefill rank accepted: its handshake and the checked plan."""
@@ -182,6 +190,7 @@ class AtomKVManager(CommonKVManager):
             )
         bound = control_plane_address(server_args.host)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        limit_inbound_frames(self.server_socket)
         logger.info(
             "atom P/D control plane listens on %s (%s); UCX devices: %s",
             self.local_ip,

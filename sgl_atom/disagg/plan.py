@@ -36,9 +36,14 @@ from sgl_atom.disagg.regions import RegionDesc, RegionError, heads_of_rank
 class HandshakeError(ValueError):
     """The peers' regions cannot be paired; `problems` lists every reason, one per line."""
 
+    SHOWN = 16  # problems spelled out; the rest are counted (a handshake holds up to 8192)
+
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems[: self.SHOWN])
+        more = len(self.problems) - self.SHOWN
+        if more > 0:
+            lines += f"\n  - ... and {more} more of the same kinds"
         super().__init__(f"P/D handshake refused, nothing was written ({len(problems)}):\n{lines}")
 
 

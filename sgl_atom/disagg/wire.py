@@ -32,6 +32,7 @@ MAGIC = b"SAPD"
 VERSION = 2  # 2: Handshake.region_devices
 HEADER = struct.Struct("!4sBBHI")
 MAX_BODY = 16 << 20
+MAX_INBOUND_FRAME = MAX_BODY + HEADER.size  # the control socket's ZMQ_MAXMSGSIZE
 MAX_REGIONS = 8192
 MAX_PAGE_IDS = 1 << 20
 MAX_AGENT_METADATA = 1 << 20

@@ -362,3 +362,36 @@ def test_refused_agent_keeps_its_first_endpoint():
     mgr._on_handshake(wire.Handshake(**{**_consumer(_pool()).__dict__, "status_port": 9999}))
     assert "d0" not in mgr.peers and mgr.refused_targets["d0"] == ("127.0.0.1", 4321)
     assert added == []
+
+
+def test_refusal_of_a_huge_handshake_is_summarised():
+    err = HandshakeError([f"region {i}: dtype mismatch" for i in range(8192)])
+    text = str(err)
+    assert len(text.splitlines()) == HandshakeError.SHOWN + 2
+    assert "(8192)" in text and f"and {8192 - HandshakeError.SHOWN} more" in text
+    assert len(err.problems) == 8192  # every problem stays available to callers
+
+
+def test_control_socket_drops_frames_over_the_wire_limit():
+    """An oversized frame disconnects its sender on arrival; later frames still arrive."""
+    import zmq
+
+    from sgl_atom.disagg.conn import limit_inbound_frames
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    limit_inbound_frames(pull)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    big, small = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    try:
+        big.connect(f"tcp://127.0.0.1:{port}")
+        big.send_multipart([b"ATOM", b"x" * (wire.MAX_INBOUND_FRAME + 1)])
+        small.connect(f"tcp://127.0.0.1:{port}")
+        small.send_multipart([b"ATOM", b"ok"])
+        assert pull.poll(5000), "the small frame never arrived"
+        assert pull.recv_multipart() == [b"ATOM", b"ok"]
+        assert not pull.poll(500), "the oversized frame was delivered"
+    finally:
+        for s in (big, small, pull):
+            s.close(linger=0)
+        ctx.term()
