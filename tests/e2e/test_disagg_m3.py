@@ -150,7 +150,7 @@ def test_router_prefill_decode_matches_unified(outputs, m3pd, prompts, model, re
         f"tokens {lens}"
     )
     # the draft context came over: the decode side drafts as well as unified does
-    assert tpf_pd >= 2.0 and tpf_unified >= 2.0
+    assert tpf_pd >= 4.0 and tpf_unified >= 4.0  # measured 5.33 on both
     assert abs(tpf_pd - tpf_unified) <= 0.15 * tpf_unified + 0.1
     if ids != ref:
         tok = AutoTokenizer.from_pretrained(model)

@@ -202,7 +202,7 @@ def _check_pair(label: str, got: list[dict], expected: list[dict], seconds: floa
     )
     assert _ids(got) == _ids(expected)
     # the draft context came over: the decode side drafts as well as unified does
-    assert tpf_pd > 1.0
+    assert tpf_pd >= 4.0  # measured 5.33
     assert abs(tpf_pd - tpf_unified) <= 0.15 * tpf_unified + 0.1
 
 

@@ -147,7 +147,7 @@ def test_acceptance_logged_and_counted(spec_run):
     log = out["log"]
     assert all(len(i) == MAX_NEW for i in ids)
     assert "DSpark k=4: steps" in log, "the worker logs acceptance every 32 verify steps"
-    assert _tpf(tpf) >= 2.0, "the distilled draft reaches 2 tokens per target forward at k=4"
+    assert _tpf(tpf) >= 4.0, "the distilled draft reaches 4 tokens per target forward at k=4"
 
 
 def test_draft_pool_dtype(spec_run, chain_target, report):

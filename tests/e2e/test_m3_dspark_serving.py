@@ -78,7 +78,7 @@ def test_greedy_output_equals_no_speculation(spec_run, baseline, report):
     )
     assert all(len(i) == MAX_NEW for i in ids)
     assert ids == baseline
-    assert tpf >= 2.0, "the distilled draft, fed the M3 target's taps, reaches 2 tokens/forward"
+    assert tpf >= 4.0, "the distilled draft, fed the M3 target's taps, reaches 4 tokens/forward"
 
 
 def test_taps_and_fp8_draft_pool_in_the_log(spec_run):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_close_rel, device, import_kernels, poisoned
+from helpers import assert_close_rel, device, import_kernels, poisoned, rel_err
 from paged_inputs import FP8, indptr, paged_kv, queries
 
 pa = import_kernels("paged_attention")
@@ -41,6 +41,20 @@ def test_decode(case, lens, splits):
     )
     ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
     assert_close_rel(out, ref, TOL)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_tolerance_catches_a_dropped_newest_key(case):
+    """The tolerance is tight enough that a kernel ignoring each sequence's newest key (the
+    token just stored) fails every decode case."""
+    ps, hq, hkv, d, dt = case
+    lens = [63, 2, 130]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=ps + d + 7)
+    q = queries(len(lens), hq, d, DEV, seed=8)
+    ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
+    dropped = pa.decode_fwd(q, kc, vc, table, sl - 1, ps, d**-0.5, out=_out(q), k_scale=ks,
+                            v_scale=vs)  # fmt: skip
+    assert rel_err(dropped, ref) > TOL
 
 
 def test_decode_static_workspace_reused():
