@@ -28,7 +28,7 @@ logger = get_logger("sgl_atom.attention")
 SUPPORTED_SCORE_TYPES = ("max",)
 SUPPORTED_HEAD_DIMS = (128,)
 _INDEX_ATTR = "_sgl_atom_index_cache"
-LOG_EVERY = 64  # sparse layer steps between two log lines of the skipped-block counts
+LOG_EVERY = 16  # forwards between two log lines of the skipped-block counts
 # PPProxyTensors keys of the selection handed to the next pipeline stage
 PP_SELECTED, PP_COUNT, PP_SCORED_BY = "sparse_selected", "sparse_count", "sparse_scored_by"
 
@@ -186,15 +186,39 @@ class IndexCache:
         return cache
 
 
-@dataclass
 class SparseStats:
-    steps: int = 0
-    visible_blocks: int = 0
-    attended_blocks: int = 0
+    """Sparse layer steps and (token, KV head) blocks visible vs attended, summed on the device:
+    no host sync per layer, so the counting runs inside captured CUDA graphs too (padded graph
+    rows included). Reading a figure syncs; the backend reads them only to log."""
+
+    def __init__(self, device: torch.device | str):
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+
+    def add(self, visible: torch.Tensor, attended: torch.Tensor) -> None:
+        self.counters[0] += 1
+        self.counters[1] += visible.sum()
+        self.counters[2] += attended.sum()
+
+    def read(self) -> tuple[int, int, int]:
+        steps, visible, attended = self.counters.tolist()
+        return steps, visible, attended
+
+    @property
+    def steps(self) -> int:
+        return self.read()[0]
+
+    @property
+    def visible_blocks(self) -> int:
+        return self.read()[1]
+
+    @property
+    def attended_blocks(self) -> int:
+        return self.read()[2]
 
     @property
     def skipped_blocks(self) -> int:
-        return self.visible_blocks - self.attended_blocks
+        _, visible, attended = self.read()
+        return visible - attended
 
 
 class SparseAttention:
@@ -205,13 +229,25 @@ class SparseAttention:
         self.cfg = cfg
         self.index = IndexCache.for_pool(backend.token_to_kv_pool, cfg, index_dtype)
         self.holder = TopkHolder()
-        self.stats = SparseStats()
+        self.stats = SparseStats(backend.device)
+        self.forwards = 0
         # (ordinal, selected, count) last stored in the holder in this forward
         self.latest: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def begin_forward(self) -> None:
         self.holder.clear()
         self.latest = None
+        self.forwards += 1
+        if self.forwards % LOG_EVERY == 0 and not _capturing():
+            steps, visible, attended = self.stats.read()
+            logger.info(
+                "sparse attention: %d layer steps, %d of %d visible (token, head) blocks "
+                "attended, %d skipped",
+                steps,
+                attended,
+                visible,
+                visible - attended,
+            )
 
     def _keep(self, ordinal: int, selected: torch.Tensor, count: torch.Tensor) -> None:
         self.holder.store(ordinal, selected, count)
@@ -305,25 +341,18 @@ class SparseAttention:
         else:
             qo = meta.qo_indptr.to(torch.int64)
             per_seq = qo[1:] - qo[:-1]
-            starts = torch.repeat_interleave(lens - per_seq, per_seq)
-            offs = torch.arange(int(qo[-1]), device=lens.device) - torch.repeat_interleave(
-                qo[:-1], per_seq
+            tokens = count.shape[0]  # qo[-1], known on the host
+            starts = torch.repeat_interleave(lens - per_seq, per_seq, output_size=tokens)
+            offs = torch.arange(tokens, device=lens.device) - torch.repeat_interleave(
+                qo[:-1], per_seq, output_size=tokens
             )
             pos = starts + offs
         visible = (pos // SPARSE_BLOCK + 1) * count.shape[1]
-        st = self.stats
-        st.steps += 1
-        st.visible_blocks += int(visible.sum())
-        st.attended_blocks += int(count.sum())
-        if st.steps % LOG_EVERY == 0:
-            logger.info(
-                "sparse attention: %d layer steps, %d of %d visible (token, head) blocks "
-                "attended, %d skipped",
-                st.steps,
-                st.attended_blocks,
-                st.visible_blocks,
-                st.skipped_blocks,
-            )
+        self.stats.add(visible, count)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _rank_heads(selected: torch.Tensor, count: torch.Tensor, local_kv_heads: int):

@@ -32,8 +32,8 @@ PROMPT_TOKENS = 420
 # expert routing is a near-tie (top-2 vs third score within ~1e-3) can pick another expert
 # in bf16 and move by ~0.16, so the bound on the maximum is looser than on the bulk.
 TOL_BULK, BULK_FRACTION, TOL_MAX = 0.03, 0.99, 0.3
-# enough decode steps for the sparse path's first log line (every 64 sparse layer steps;
-# 3 sparse layers per forward)
+# enough decode steps for the sparse path's first log line (every 16 forwards, prefill
+# chunks included)
 DECODE_TOKENS = 24
 ARGS = ["--dtype", "bfloat16", "--attention-backend", "atom", "--chunked-prefill-size", "256"]
 SKIP_LINE = re.compile(r"(\d+) of (\d+) visible \(token, head\) blocks attended, (\d+) skipped")
