@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from e2e_utils import BASE_ARGS
+from e2e_utils import BASE_ARGS, pytest_terminal_summary, report  # noqa: F401 (hook, fixture)
 
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.testing import tiny
@@ -27,22 +27,6 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny.build(cache_dir() / "tiny" / "llama", "llama")
-
-
-_REPORT: list[str] = []
-
-
-@pytest.fixture(scope="session")
-def report():
-    """Record a measured figure; all of them are printed at the end of the run."""
-    return _REPORT.append
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _REPORT:
-        terminalreporter.section("sgl_atom e2e figures")
-        for line in _REPORT:
-            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sgl_atom.testing.server import Server
 
 PROMPTS = [
@@ -121,3 +123,41 @@ def listening_sockets(pgid: int) -> list[tuple[str, int]]:
                 found.append((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
     return found
 
+
+def assert_bf16_agreement(ref: dict, got: dict, prompt_ids, label: str) -> str:
+    """Hold an atom bf16 server's answers to a reference backend's on the same checkpoint:
+    teacher-forced log-probs within 0.1, greedy sequences parting only at the reference's
+    near-ties (a random checkpoint has many), most sequences identical. Returns the figures."""
+    agree = token_agreement(ref["greedy"], got["greedy"])
+    worst = max_abs_diff(ref["logprobs"], got["logprobs"])
+    same = sum(a == b for a, b in zip(ref["greedy"], got["greedy"], strict=True))
+    gaps = divergence_gaps(ref, got["greedy"], prompt_ids)
+    n, new = len(ref["greedy"]), len(ref["greedy"][0]) if ref["greedy"] else 0
+    figures = (
+        f"{label}: {agree:.1%} identical greedy tokens by position, {same}/{n} sequences "
+        f"identical ({n} prompts x {new}); max teacher-forced |dlogprob| {worst:.4f}; reference "
+        f"top-2 gap where sequences first differ: max {max(gaps, default=0):.4f}"
+    )
+    assert "atom attention:" in got["log"]
+    assert worst < 0.1, figures
+    assert all(g < 2 * worst + 0.02 for g in gaps), (gaps, figures)
+    assert agree >= 0.6 and same >= n // 2, figures
+    return figures
+
+
+# ---- measured figures, printed at the end of a run (conftest imports these) -------------
+
+_REPORT: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """Record a measured figure; all of them are printed at the end of the run."""
+    return _REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("sgl_atom measured figures")
+        for line in _REPORT:
+            terminalreporter.write_line(line)

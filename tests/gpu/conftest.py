@@ -14,6 +14,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "e2e"))  # e2e_utils: the same helpers
+from e2e_utils import pytest_terminal_summary, report  # noqa: E402, F401 (hook, fixture)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -30,19 +32,3 @@ def gpu_servers():
     pool = ServerPool(["--sampling-backend", "pytorch", "--sleep-on-idle"])
     yield pool
     pool.stop_all()
-
-
-_REPORT: list[str] = []
-
-
-@pytest.fixture(scope="session")
-def report():
-    """Record a measured figure; all of them are printed at the end of the run."""
-    return _REPORT.append
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _REPORT:
-        terminalreporter.section("sgl_atom GPU figures")
-        for line in _REPORT:
-            terminalreporter.write_line(line)
