@@ -185,7 +185,7 @@ def _stage_pool(start: int, layers: int) -> _Pool:
 
 
 def _sparse_step(start: int, layers: int, reuse: bool = True) -> SparseAttention:
-    backend = SimpleNamespace(token_to_kv_pool=_stage_pool(start, layers))
+    backend = SimpleNamespace(token_to_kv_pool=_stage_pool(start, layers), device="cpu")
     backend.forward_sparse = None  # what _backend looks for
     step = SparseAttention(backend, _sparse_cfg(reuse), torch.bfloat16)
     backend.sparse = step
