@@ -296,3 +296,114 @@ def prepare_q(q, qk_scale, FP8: tl.constexpr, KV_MODE: tl.constexpr, DOT_F32: tl
     if DOT_F32:  # Triton's CPU interpreter multiplies 16-bit dot operands as raw bits
         qd = qd.to(tl.float32)
     return qd, qsc
+
+
+@triton.jit
+def attend_tile_keys_major(
+    acc_t,
+    m_i,
+    l_i,
+    q_t,
+    k_base,
+    v_base,
+    ks_base,
+    vs_base,
+    pt_row,
+    start_n,
+    bound,
+    row_limit,
+    qk_scale,
+    stride_kt,
+    stride_vt,
+    stride_st,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+    KV_MODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PV_KEYS_MAJOR: tl.constexpr,
+):
+    """`attend_tile` with the keys as the rows of the K dot: s_t = K @ q_t [BLOCK_N, BLOCK_M].
+
+    The key tile is the dot's first operand, which a Hopper MMA takes from registers, so an fp8
+    tile moved into bf16 bits there (`fp8_bits`) goes straight into the MMA instead of back
+    through shared memory; the few query rows (q_t [HEAD_DIM, BLOCK_M]) are the second operand.
+    acc_t is [HEAD_DIM, BLOCK_M] (the output transposed); m_i, l_i, row_limit, and in modes 1/2
+    qk_scale are [BLOCK_M]. With PV_KEYS_MAJOR the V dot is keys-major too (acc_t += V^T @ p_t,
+    V^T from registers); else p_t is transposed and V is the second operand (p @ V)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_ok = offs_n < bound
+        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0)
+    else:
+        page = tl.load(pt_row + offs_n // PAGE)
+    slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+    if MASKED:
+        k = tl.load(
+            k_base + slot[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
+    else:
+        k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :])
+    if FP8 and KV_MODE == 3:
+        k = fp8_bits(k, DOT_F32)
+    s = tl.dot(k.to(q_t.dtype), q_t)
+    if FP8:
+        if MASKED:
+            ksc = tl.load(ks_base + slot * stride_st, mask=n_ok, other=1.0)
+        else:
+            ksc = tl.load(ks_base + slot * stride_st)
+        if KV_MODE == 1 or KV_MODE == 2:
+            s = s * ksc[:, None] * qk_scale[None, :]
+        else:
+            s = s * (ksc * qk_scale)[:, None]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        ok = n_ok[:, None] & (offs_n[:, None] <= row_limit[None, :])
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[None, :])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    vmax = 1.0
+    if FP8:  # p times v_scale over the tile's largest (see attend_tile)
+        if MASKED:
+            vsc = tl.load(vs_base + slot * stride_st, mask=n_ok, other=0.0)
+        else:
+            vsc = tl.load(vs_base + slot * stride_st)
+        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
+        p = p * (vsc * (1.0 / vmax))[:, None]
+        if KV_MODE == 3:
+            p = p * P_BITS_SCALE
+    if DOT_F32:
+        p_op = p
+    elif FP8 and KV_MODE == 1:
+        p_op = p.to(tl.float16)
+    else:
+        p_op = p.to(q_t.dtype)
+    if PV_KEYS_MAJOR:
+        if MASKED:
+            v_t = tl.load(
+                v_base + slot[None, :] * stride_vt + offs_d[:, None], mask=n_ok[None, :], other=0.0
+            )
+        else:
+            v_t = tl.load(v_base + slot[None, :] * stride_vt + offs_d[:, None])
+        if FP8 and KV_MODE == 3:
+            v_t = fp8_bits(v_t, DOT_F32)
+        pv = tl.dot(v_t.to(p_op.dtype), p_op)
+    else:
+        if MASKED:
+            v = tl.load(
+                v_base + slot[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+            )
+        else:
+            v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :])
+        if FP8 and KV_MODE == 3:
+            v = fp8_bits(v, DOT_F32)
+        pv = tl.trans(tl.dot(tl.trans(p_op), v.to(p_op.dtype)))
+    acc_t = acc_t * alpha[None, :] + pv * vmax
+    return acc_t, m_new, l_i

@@ -24,6 +24,7 @@ def verify_fwd(
     num_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_context: int | None = None,
+    causal: bool = True,
     **tuning,
 ) -> torch.Tensor:
     """Verify attention for speculative decoding.
@@ -33,7 +34,8 @@ def verify_fwd(
     k_cache, v_cache, k_scale, v_scale, page_table, page_size, sm_scale: as `decode_fwd`.
     seq_lens: [batch] int32 lengths including the num_draft tokens, whose K/V are already in the
       cache at positions seq_len - num_draft .. seq_len - 1; draft i sees the keys at positions
-      <= seq_len - num_draft + i.
+      <= seq_len - num_draft + i; with ``causal=False`` every draft token sees every key of
+      its sequence (a block drafter's non-causal pass over its context and its own block).
     out: like q, written whole. num_splits, workspace (max_tokens = batch * num_draft),
       max_context, tuning: as `decode_fwd`.
     Returns out.
@@ -55,5 +57,6 @@ def verify_fwd(
         num_splits,
         workspace,
         max_context,
+        causal=causal,
         **tuning,
     )

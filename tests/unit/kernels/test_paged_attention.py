@@ -160,6 +160,38 @@ def test_verify(case, num_draft):
     assert_close_rel(out, ref, TOL)
 
 
+@pytest.mark.parametrize("keys_major", [1, 2], ids=["k-lead", "kv-lead"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_decode_keys_major(case, keys_major):
+    """The key tile as the first dot operand (K dot only, or K and V dots) computes decode."""
+    ps, hq, hkv, d, dt = case
+    lens = [63, 1, 130]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=ps + d + keys_major)
+    q = queries(len(lens), hq, d, DEV, seed=keys_major)
+    out = pa.decode_fwd(q, kc, vc, table, sl, ps, d**-0.5, out=_out(q), k_scale=ks, v_scale=vs,
+                        num_splits=2, keys_major=keys_major)  # fmt: skip
+    assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs), TOL)
+
+
+@pytest.mark.parametrize("keys_major", [0, 2], ids=["q-lead", "kv-lead"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_id)
+def test_verify_non_causal(case, keys_major):
+    """causal=False: every draft row sees all of its sequence's keys, its own block included
+    (each row is then a decode over the whole sequence)."""
+    ps, hq, hkv, d, dt = case
+    lens, num_draft = [70, 4, 33], 4
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=11)
+    q = queries(len(lens) * num_draft, hq, d, DEV, seed=12)
+    out = pa.verify_fwd(q, kc, vc, table, sl, ps, d**-0.5, num_draft, out=_out(q), k_scale=ks,
+                        v_scale=vs, num_splits=3, causal=False, keys_major=keys_major)  # fmt: skip
+    rows = torch.arange(len(lens), device=DEV).repeat_interleave(num_draft)
+    ref = pa.reference_decode(q, kc, vc, table[rows].contiguous(), sl[rows].contiguous(), ps,
+                              d**-0.5, ks, vs)  # fmt: skip
+    assert_close_rel(out, ref, TOL)
+    causal = pa.reference_verify(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
+    assert rel_err(causal, ref) > TOL  # the two masks differ on these inputs
+
+
 def test_verify_matches_extend_with_uniform_lengths():
     kc, vc, ks, vs, table, sl = paged_kv([40, 25], 2, 64, 16, torch.bfloat16, DEV)
     q = queries(6, 8, 64, DEV)
