@@ -25,6 +25,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..dtypes import ELEMENT_BYTES, FP8_TORCH_NAMES, torch_name
+
 
 class RegionError(ValueError):
     """A region description (or a rank's inputs to build one) is inconsistent."""
@@ -63,35 +65,18 @@ class RegionKind(enum.StrEnum):
 
 
 # Bytes per element, by the dtype names both peers write (torch's names, without "torch.").
-DTYPE_BYTES = {
-    "bfloat16": 2,
-    "float16": 2,
-    "float32": 4,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "uint8": 1,
-    "int8": 1,
-}
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "fp8": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-}
-FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+DTYPE_BYTES = ELEMENT_BYTES
+FP8_DTYPES = FP8_TORCH_NAMES
 SCALE_DTYPE = "float32"
 
 
 def canonical_dtype(name: str) -> str:
     """torch's name for a dtype spelled as SGLang's CLI does ("bf16", "fp8_e4m3") or as torch."""
-    name = name.removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
+    canon = torch_name(name)
+    if canon is None:
+        name = name.removeprefix("torch.")
         raise RegionError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
-    return name
+    return canon
 
 
 @dataclass(frozen=True)

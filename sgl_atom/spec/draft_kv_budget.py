@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_ELEMENT_BYTES = {"bf16": 2, "fp8": 1}
-_SCALE_BYTES = 4  # fp32 per (token, KV head), for K and for V
+from ..dtypes import element_bytes
+
+_DRAFT_DTYPES = ("bf16", "fp8")
+_SCALE_BYTES = element_bytes("fp32")  # one per (token, KV head), for K and for V
 
 
 def kv_bytes_per_token(
     dtype: str, *, kv_heads: int, head_dim: int, v_head_dim: int | None = None, layers: int = 1
 ) -> int:
     """Bytes one token's K and V take over ``layers`` layers of an MHA pool at ``dtype``."""
-    assert dtype in _ELEMENT_BYTES, f"draft KV dtype must be bf16 or fp8, got {dtype!r}"
+    assert dtype in _DRAFT_DTYPES, f"draft KV dtype must be bf16 or fp8, got {dtype!r}"
     assert kv_heads > 0 and head_dim > 0 and layers >= 0
     v_dim = head_dim if v_head_dim is None else v_head_dim
-    per_layer = kv_heads * (head_dim + v_dim) * _ELEMENT_BYTES[dtype]
+    per_layer = kv_heads * (head_dim + v_dim) * element_bytes(dtype)
     if dtype == "fp8":
         per_layer += 2 * kv_heads * _SCALE_BYTES
     return per_layer * layers

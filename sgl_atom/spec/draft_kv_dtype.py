@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..dtypes import short_name
+
 SGLANG_FLAG = "--speculative-draft-kv-cache-dtype"
 ALIAS_FLAG = "--spec-decode-kv-cache-dtype"
 ALIAS_DEST = "spec_decode_kv_cache_dtype"
-CHOICES = ("bf16", "fp8")
-# SGLang's spellings of the same two dtypes; anything else is refused.
-_SYNONYMS = {"bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
-_TO_SGLANG = {"bf16": "bf16", "fp8": "fp8_e4m3"}
+CHOICES = ("bf16", "fp8")  # short names (sgl_atom.dtypes); SGLang's spellings of them too
+_TO_SGLANG = {"bf16": "bf16", "fp8": "fp8_e4m3"}  # SGLang's --kv-cache-dtype spelling
 
 # Whether a draft owns its KV pool, by the draft's attention family.
 DRAFT_POOL_FAMILIES: Mapping[str, bool] = {
@@ -63,11 +63,16 @@ class DraftKVConfig:
         return self.settled != self.target
 
 
-def canonical_dtype(value: str | None, flag: str = SGLANG_FLAG) -> str | None:
+def _bf16_or_fp8(value: str) -> str | None:
+    canon = short_name(str(value).strip().lower())
+    return canon if canon in CHOICES else None
+
+
+def canonical_draft_dtype(value: str | None, flag: str = SGLANG_FLAG) -> str | None:
     """``bf16``/``fp8`` for any spelling of them; None for None; refuses everything else."""
     if value is None:
         return None
-    canon = _SYNONYMS.get(str(value).strip().lower())
+    canon = _bf16_or_fp8(value)
     if canon is None:
         raise DraftKVDtypeError(
             f"{flag} {value!r} is not a draft KV dtype sgl_atom supports: use bf16 or fp8 "
@@ -78,13 +83,13 @@ def canonical_dtype(value: str | None, flag: str = SGLANG_FLAG) -> str | None:
 
 def canonical_target(value: str) -> str:
     """The target's KV dtype in the same vocabulary (other SGLang names kept as they are)."""
-    return _SYNONYMS.get(str(value).strip().lower(), str(value).strip().lower())
+    return _bf16_or_fp8(value) or str(value).strip().lower()
 
 
 def merge_requests(sglang_value: str | None, alias_value: str | None) -> str | None:
     """One request from the two flags; both given and different is refused."""
-    a = canonical_dtype(sglang_value, SGLANG_FLAG)
-    b = canonical_dtype(alias_value, ALIAS_FLAG)
+    a = canonical_draft_dtype(sglang_value, SGLANG_FLAG)
+    b = canonical_draft_dtype(alias_value, ALIAS_FLAG)
     if a is not None and b is not None and a != b:
         raise DraftKVDtypeError(
             f"{SGLANG_FLAG} {sglang_value} and {ALIAS_FLAG} {alias_value} disagree: they are "
@@ -150,7 +155,7 @@ def resolve_draft_kv_dtype(
     ``num_spec_tokens`` is the number of tokens the draft proposes per step (None: SGLang's
     default for the algorithm, which is never 0).
     """
-    req = canonical_dtype(requested, flag)
+    req = canonical_draft_dtype(requested, flag)
     target = canonical_target(target_dtype)
     if req is None:
         return target

@@ -9,6 +9,7 @@ FROZEN_KV_MTP), stored as ``server_args._sgl_atom_draft_kv`` and declared onto S
 
 from __future__ import annotations
 
+from ..dtypes import short_of_torch
 from ..log import get_logger
 from ..patches.prepare_server_args import cli_values
 from .draft_kv_dtype import (
@@ -17,7 +18,7 @@ from .draft_kv_dtype import (
     SGLANG_FLAG,
     DraftKVConfig,
     attention_family,
-    canonical_dtype,
+    canonical_draft_dtype,
     canonical_target,
     check_speculation,
     merge_requests,
@@ -30,7 +31,6 @@ logger = get_logger("sgl_atom.spec")
 STEP = "handle_speculative_decoding"
 ATTR = "_sgl_atom_draft_kv"
 SOURCE = "sgl_atom.draft_kv_dtype"
-_TORCH_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
 def draft_kv_config(server_args) -> DraftKVConfig | None:
@@ -57,7 +57,7 @@ def target_dtype(server_args, cfg) -> str:
     try:
         from sglang.srt.arg_groups.overrides import model_config_of
 
-        return _TORCH_NAMES.get(str(model_config_of(server_args).dtype), "auto")
+        return short_of_torch(model_config_of(server_args).dtype) or "auto"
     except Exception:  # noqa: BLE001 - no readable model config: keep SGLang's own word
         return "auto"
 
@@ -128,7 +128,7 @@ def _model_default(dk: DraftKVConfig, sglang_value: str | None) -> DraftKVConfig
     if sglang_value in (None, "auto"):
         return dk
     try:
-        settled = canonical_dtype(sglang_value)
+        settled = canonical_draft_dtype(sglang_value)
     except ValueError:
         return dk
     return DraftKVConfig(None, settled, dk.target, dk.owns_pool, dk.family)
