@@ -63,7 +63,8 @@ def _nixl():
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:
         raise TransferError(
-            f"NIXL is not importable ({e}); install it with `pip install nixl==1.5.1`"
+            f"NIXL is not importable ({e}); install the P/D extra: "
+            "`pip install 'sgl-atom[pd]'` (nixl==1.5.1)"
         ) from e
     return nixl_agent, nixl_agent_config
 

@@ -23,10 +23,10 @@ ASSETS = Path(sgl_atom.testing.__file__).parent / "assets"
 DISTILLED = ASSETS / "dspark-llama-distilled"
 CHAIN_TARGET = ASSETS / "llama-chain-target"  # trained on a sparse order-2 word chain
 CHAIN_DRAFT = ASSETS / "dspark-llama-chain"  # distilled against it
-MIN_CHAIN_TPF = 2.0  # the goal, at k=4 on held-out word prompts x 48 tokens
+MIN_CHAIN_TPF = 4.0  # the chain draft measures 4.8-5.3 at k=4 on held-out word prompts
 MIN_SHIFT_DROP = 0.5  # taps one target layer late ([2, 3]) lose at least this much
-# The committed draft reaches 1.13 tokens/forward at k=4 on 16 held-out prompts (distill.json),
-# short of the 2.0 goal. The bounds below hold what it reaches; raise them with a better draft.
+# The random-target draft measures 1.13 tokens/forward at k=4 on 16 held-out prompts, short of
+# the 2.0 goal (the chain draft below meets it). The bounds below hold what it reaches, live.
 MIN_TRAINED_TPF = 1.08
 MIN_MARGIN = 0.05  # random draft and corrupted taps must lose at least this much
 
@@ -63,9 +63,7 @@ def test_distilled_draft_is_a_full_checkpoint(ckpts):
     _, random_weights = distill.load_draft(random_draft)
     assert all(torch.isfinite(t).all() for t in weights.values())
     assert not torch.equal(weights["fc.weight"], random_weights["fc.weight"])
-    info = json.loads((DISTILLED / "distill.json").read_text())
-    assert info["held_out"]["trained"]["k"] == cfg.block_size == 4
-    assert info["held_out"]["trained"]["tokens_per_forward"] >= MIN_TRAINED_TPF
+    assert cfg.block_size == 4  # held_out_tpf measures its tokens/forward at k=4
 
 
 def test_speculative_loop_is_lossless(ckpts):
@@ -189,9 +187,7 @@ def chain():
 
 def test_chain_target_follows_its_chain(chain):
     target = chain[0]
-    info = json.loads((CHAIN_TARGET / train_target.INFO_FILE).read_text())
-    assert info["chain_choice_agreement"] >= 0.99, info
-    assert (CHAIN_TARGET / "model.safetensors").stat().st_size < 8 << 20
+    info = json.loads((CHAIN_TARGET / train_target.INFO_FILE).read_text())  # the chain's seed
     words = train_target.WordChain(info["chain_seed"], target.tokenizer)
     # four predecessor classes give every word four different likely successors
     assert all(len(set(words.top[:, b].tolist())) == 4 for b in range(words.vocab))
@@ -199,7 +195,7 @@ def test_chain_target_follows_its_chain(chain):
     assert follow["exact_share"] == 1.0, follow
 
 
-def test_chain_draft_reaches_two_tokens_per_forward(chain, ckpts):
+def test_chain_draft_reaches_four_tokens_per_forward(chain, ckpts):
     target, cfg, w, es = chain
     assert (CHAIN_DRAFT / "config.json").read_text() == (ckpts[1] / "config.json").read_text()
     assert cfg.block_size == 4 and cfg.num_hidden_layers == 2 and cfg.target_layer_ids == (1, 2)

@@ -18,12 +18,34 @@ def test_every_variable_is_in_the_readme():
         assert f"`{var.name}`" in readme, f"{var.name} missing from the README's table"
 
 
+# a read of an SGL_ATOM_ variable through os.environ (get, [], setdefault, pop) or os.getenv
+DIRECT_READ = re.compile(
+    r"""(?:environ(?:\.(?:get|setdefault|pop))?\s*[\[(]|getenv\s*\()\s*[\"']SGL_ATOM_"""
+)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'os.environ.get("SGL_ATOM_X")',
+        "os.environ['SGL_ATOM_X']",
+        'os.getenv("SGL_ATOM_X", "1")',
+        'getenv( "SGL_ATOM_X")',
+        'environ.setdefault("SGL_ATOM_X", "0")',
+        'os.environ.pop("SGL_ATOM_X")',
+    ],
+)
+def test_direct_read_pattern_catches(line):
+    assert DIRECT_READ.search(line)
+
+
 def test_no_sgl_atom_variable_is_read_outside_envs():
-    pattern = re.compile(r"environ(?:\.get)?\(?\[?[\"']SGL_ATOM_")
-    for path in (ROOT / "sgl_atom").rglob("*.py"):
-        if path.name == "envs.py":
-            continue
-        assert not pattern.search(path.read_text()), f"{path} reads SGL_ATOM_* directly"
+    for folder in ("sgl_atom", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "envs.py":
+                continue
+            hit = DIRECT_READ.search(path.read_text())
+            assert hit is None, f"{path} reads an SGL_ATOM_ variable directly: {hit.group(0)!r}"
 
 
 def test_declared_names_are_prefixed_and_unique():
