@@ -4,7 +4,8 @@ On a GPU, always the Triton kernels. On CPU, ``SGL_ATOM_CPU_KERNELS`` picks the 
 under Triton's interpreter (``triton``, the default: the kernels themselves are exercised) or
 their torch references in float64 (``reference``: same contracts, far faster), for servers whose
 kernels are not what is under test. Both cover the paged-attention launchers and the sparse
-(MiniMax-M3-style) ones: index-key write, block selection and sparse attention.
+(MiniMax-M3-style) ones: index-key write, block selection and sparse attention, and the
+non-causal block attention of a block drafter (``block``: verify with ``causal=False``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class KernelOps:
     store: Callable
     decode: Callable
     verify: Callable
+    block: Callable  # verify's contract, every query row sees every key of its sequence
     extend: Callable
     index_write: Callable
     select_blocks: Callable
@@ -59,6 +61,23 @@ def _ref_verify(
     q, kc, vc, pt, lens, page_size, sm_scale, num_draft, out, k_scale=None, v_scale=None, **_
 ):
     ref = reference_verify(q, kc, vc, pt, lens, page_size, sm_scale, k_scale, v_scale, F64)
+    return out.copy_(ref)
+
+
+def _triton_block(
+    q, kc, vc, pt, lens, page_size, sm_scale, num_q, out, k_scale=None, v_scale=None, **kw
+):
+    return verify_fwd(
+        q, kc, vc, pt, lens, page_size, sm_scale, num_q, out, k_scale, v_scale, causal=False, **kw
+    )
+
+
+def _ref_block(
+    q, kc, vc, pt, lens, page_size, sm_scale, num_q, out, k_scale=None, v_scale=None, **_
+):
+    # non-causal rows: each query row is a decode over all of its sequence's seq_len keys
+    rows, row_lens = pt.repeat_interleave(num_q, 0), lens.repeat_interleave(num_q)
+    ref = reference_decode(q, kc, vc, rows, row_lens, page_size, sm_scale, k_scale, v_scale, F64)
     return out.copy_(ref)
 
 
@@ -127,6 +146,7 @@ TRITON = KernelOps(
     store_kv,
     decode_fwd,
     verify_fwd,
+    _triton_block,
     extend_fwd,
     index_write,
     select_blocks,
@@ -137,6 +157,7 @@ REFERENCE = KernelOps(
     reference_store_kv,
     _ref_decode,
     _ref_verify,
+    _ref_block,
     _ref_extend,
     reference_index_write,
     _ref_select,

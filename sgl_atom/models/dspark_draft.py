@@ -7,16 +7,23 @@ points; neither runs through SGLang's ModelRunner, because the draft keeps its o
 (:class:`sgl_atom.spec.dspark.pool.DraftKVPool`) at the settled draft KV dtype:
 
 * :meth:`context_kv` — the draft layers' K/V of tokens the target just ran, from their taps;
-* :meth:`propose` — one non-causal pass over ``[anchor, MASK x (k-1)]`` per request against
-  that request's context rows, refined left to right by the low-rank Markov head.
+* :meth:`propose` — one non-causal pass over ``[anchor, MASK x (k-1)]`` for every request of a
+  batch at once, refined left to right by the low-rank Markov head.
 
-The math is :mod:`sgl_atom.spec.dspark.reference`'s (batched here: the blocks of a batch run as
-one masked pass).
+The math is :mod:`sgl_atom.spec.dspark.reference`'s (the float64 test oracle). Here every table
+lives on the inputs' device (RoPE cos/sin cached per device and dtype, grown on demand), and a
+draft layer's block attention is one paged-attention call: the block's K/V go to the pool's
+scratch rows, which the page table places right after each request's context, and the atom
+``verify`` kernel with ``causal=False`` lets every block row see context and block
+(``kernel_ops(device).block``; on CPU ``SGL_ATOM_CPU_KERNELS`` picks the interpreted kernel or
+its torch reference, as for the atom backend).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +32,8 @@ from sgl_atom.spec.dspark import reference as ref
 from sgl_atom.spec.dspark.config import DSparkDraftConfig
 from sgl_atom.spec.dspark.markov import markov_refine
 from sgl_atom.spec.dspark.weights import check_draft_weights
+
+MIN_ROPE_POSITIONS = 4096  # first RoPE table length; it doubles past the positions asked for
 
 
 class AtomDSparkDraftModel(nn.Module):
@@ -41,6 +50,7 @@ class AtomDSparkDraftModel(nn.Module):
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         self.dspark = DSparkDraftConfig.from_hf_dict(raw)
         self.w: dict[str, torch.Tensor] = {}
+        self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
@@ -49,52 +59,172 @@ class AtomDSparkDraftModel(nn.Module):
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> AtomDSparkDraftModel:
         self.w = {n: t.to(device=device, dtype=dtype).contiguous() for n, t in self.w.items()}
+        self._rope.clear()
         return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w["fc.weight"].dtype
+
+    # ------------------------------------------------------------------ RoPE
+
+    def rope_tables(
+        self, device: torch.device, dtype: torch.dtype, positions: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [>= positions, head_dim] on ``device``, float64 for a float64 draft else
+        float32; computed once per device and dtype and regrown (doubling) when too short."""
+        table = torch.float64 if dtype == torch.float64 else torch.float32
+        key = (torch.device(device), table)
+        cached = self._rope.get(key)
+        if cached is None or cached[0].shape[0] < positions:
+            n = max(MIN_ROPE_POSITIONS, cached[0].shape[0] if cached else 0)
+            while n < positions:
+                n *= 2
+            cached = self._rope[key] = _rope_tables(self.dspark, device, table, n)
+        return cached
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, max_position: int | None):
+        """reference.rope of x [tokens, heads, head_dim] at positions [tokens], tables cached."""
+        if max_position is None:  # a host sync; the worker always passes the bound it knows
+            max_position = int(positions.max()) if positions.numel() else 0
+        cos, sin = self.rope_tables(x.device, x.dtype, max_position + 1)
+        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        xf = x.to(cos.dtype)
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+    # ------------------------------------------------------------- layers
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return ref.rms_norm(x, self.w[name], self.dspark.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], n, self.dspark.head_dim)
+
+    def _kv(self, i: int, x: torch.Tensor, positions: torch.Tensor, max_position: int | None):
+        p, cfg = f"layers.{i}.self_attn.", self.dspark
+        k = self._heads(x @ self.w[p + "k_proj.weight"].T, cfg.num_key_value_heads)
+        k = self._rotate(self._norm(k, p + "k_norm.weight"), positions, max_position)
+        v = self._heads(x @ self.w[p + "v_proj.weight"].T, cfg.num_key_value_heads)
+        return k, v
 
     @torch.no_grad()
     def context_kv(
-        self, taps: torch.Tensor, positions: torch.Tensor
+        self, taps: torch.Tensor, positions: torch.Tensor, max_position: int | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps [tokens, num_taps * target_hidden], positions [tokens] -> per draft layer
-        (K, V), each [tokens, kv_heads, head_dim]."""
-        dtype = self.w["fc.weight"].dtype
-        return ref.reference_context_kv(self.w, self.dspark, taps.to(dtype), positions)
+        (K, V), each [tokens, kv_heads, head_dim]. ``max_position``: a bound on ``positions``
+        known on the host (else read from the device)."""
+        ctx = ref.project_taps(self.w, self.dspark, taps.to(self.dtype))
+        return [
+            self._kv(i, ctx, positions, max_position) for i in range(self.dspark.num_hidden_layers)
+        ]
+
+    def _block_layer(self, i: int, x: torch.Tensor, blk) -> torch.Tensor:
+        """Draft layer ``i`` over the block rows x [batch * k, hidden] of every request."""
+        p, cfg = f"layers.{i}.", self.dspark
+        h = self._norm(x, p + "input_layernorm.weight")
+        q = self._heads(h @ self.w[p + "self_attn.q_proj.weight"].T, cfg.num_attention_heads)
+        q = self._rotate(self._norm(q, p + "self_attn.q_norm.weight"), blk.positions, blk.max_pos)
+        k, v = self._kv(i, h, blk.positions, blk.max_pos)
+        blk.pool.write(i, blk.scratch, k, v)
+        ks, vs = blk.pool.scales(i)
+        attn = blk.ops.block(
+            q,
+            blk.pool.k_all[i],
+            blk.pool.v_all[i],
+            blk.page_table,
+            blk.kv_lens,
+            1,
+            cfg.head_dim**-0.5,
+            cfg.query_len,
+            torch.empty_like(q),
+            ks,
+            vs,
+        )
+        x = x + attn.reshape(x.shape[0], -1) @ self.w[p + "self_attn.o_proj.weight"].T
+        h = self._norm(x, p + "post_attention_layernorm.weight")
+        gate = h @ self.w[p + "mlp.gate_proj.weight"].T
+        up = h @ self.w[p + "mlp.up_proj.weight"].T
+        return x + (torch.nn.functional.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
+
+    # ------------------------------------------------------------- propose
 
     @torch.no_grad()
-    def propose(
+    def base_logits(
         self,
         *,
         anchors: torch.Tensor,
         context_lens: torch.Tensor,
-        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        context_owner: torch.Tensor,
+        page_table: torch.Tensor,
+        pool,
         embed: torch.Tensor,
         lm_head: torch.Tensor,
+        max_context: int | None = None,
     ) -> torch.Tensor:
-        """Draft tokens [batch, k].
+        """Base logits U [batch, k, vocab] of one draft pass over every request's block.
 
-        anchors [batch]: each request's last committed token, at position ``context_lens``;
-        context_kv: per layer (K, V) [rows, kv_heads, head_dim], every request's context rows
-        one after another; context_owner [rows]: the request of each row;
-        embed, lm_head: the target's [vocab, hidden] matrices.
+        anchors [batch]: each request's last committed token, at position n_b = context_lens[b];
+        page_table [batch, >= max n_b + k] int32 page-size-1 table into ``pool``: columns
+        0..n_b-1 the context rows, n_b..n_b+k-1 ``pool.scratch_rows(batch)[b]``
+        (:func:`sgl_atom.spec.dspark.pool.block_page_table`); pool: the draft's
+        :class:`~sgl_atom.spec.dspark.pool.DraftKVPool`, whose scratch rows this overwrites;
+        embed, lm_head: the target's [vocab, hidden] matrices; max_context: max n_b if the host
+        knows it. Nothing but the scratch rows is written.
         """
+        from sgl_atom.attention.kernel_ops import kernel_ops
+
         cfg, q = self.dspark, self.dspark.query_len
         batch = anchors.shape[0]
-        owner = torch.arange(batch, device=anchors.device).repeat_interleave(q)
-        offsets = torch.arange(q, device=anchors.device).repeat(batch)
-        positions = context_lens.to(anchors.device).long()[owner] + offsets
-        mask = torch.cat(
-            [owner[:, None] == context_owner[None, :], owner[:, None] == owner[None, :]], dim=1
+        lens = context_lens.to(anchors.device)
+        positions = (lens.long()[:, None] + torch.arange(q, device=lens.device)).reshape(-1)
+        if max_context is None:
+            max_context = int(lens.max()) if batch else 0
+        blk = _Block(
+            positions=positions,
+            max_pos=max_context + q - 1,
+            pool=pool,
+            scratch=pool.scratch_rows(batch).reshape(-1),
+            page_table=page_table,
+            kv_lens=(lens + q).to(torch.int32),
+            ops=kernel_ops(anchors.device),
         )
-        ids = ref.block_input_ids(anchors, cfg)
-        x = embed[ids.reshape(-1)].to(self.w["fc.weight"].dtype)
-        for i, (ck, cv) in enumerate(context_kv):
-            x = ref.draft_layer(self.w, cfg, i, x, positions, ck, cv, mask)
-        logits = ref.rms_norm(x, self.w["norm.weight"], cfg.rms_norm_eps) @ lm_head.T
-        logits = logits.view(batch, q, -1)
-        base = logits if cfg.sample_from_anchor else logits[:, 1:]
+        x = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype)
+        for i in range(cfg.num_hidden_layers):
+            x = self._block_layer(i, x, blk)
+        logits = (self._norm(x, "norm.weight") @ lm_head.T.to(self.dtype)).view(batch, q, -1)
+        return logits if cfg.sample_from_anchor else logits[:, 1:]
+
+    @torch.no_grad()
+    def propose(self, *, anchors: torch.Tensor, **pass_args) -> torch.Tensor:
+        """Draft tokens [batch, k] int64: :meth:`base_logits` (same arguments) refined by the
+        Markov head, batched on the device."""
+        base = self.base_logits(anchors=anchors, **pass_args)
         w1, w2 = self.w["markov_head.markov_w1.weight"], self.w["markov_head.markov_w2.weight"]
         return markov_refine(base, anchors, w1, w2)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """What every draft layer of one pass shares."""
+
+    positions: torch.Tensor  # [batch * k] the block rows' positions
+    max_pos: int  # a host-side bound on them
+    pool: Any  # the DraftKVPool
+    scratch: torch.Tensor  # [batch * k] the block rows' scratch slots
+    page_table: torch.Tensor  # [batch, >= n + k] int32, page size 1
+    kv_lens: torch.Tensor  # [batch] int32 n + k
+    ops: Any  # sgl_atom.attention.kernel_ops.KernelOps
+
+
+def _rope_tables(cfg: DSparkDraftConfig, device, dtype: torch.dtype, n: int):
+    half = cfg.head_dim // 2
+    idx = torch.arange(half, dtype=torch.float64, device=device)
+    inv_freq = 1.0 / cfg.rope_theta ** (idx / half)
+    ang = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
 
 
 EntryClass = AtomDSparkDraftModel

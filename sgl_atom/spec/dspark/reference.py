@@ -38,8 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE over the whole head: x [tokens, heads, head_dim], positions [tokens]."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) / half)
-    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    ang = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq[None, :]
     cos = torch.cat([ang.cos(), ang.cos()], dim=-1)[:, None, :].to(x.dtype)
     sin = torch.cat([ang.sin(), ang.sin()], dim=-1)[:, None, :].to(x.dtype)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -46,7 +46,7 @@ from ...log import get_logger
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
 from .loader import load_draft, relay_stage_taps
-from .pool import DraftKVPool
+from .pool import DraftKVPool, block_page_table, check_block_attention
 from .pp_taps import assemble_taps, stage_layers, taps_on_stage
 
 logger = get_logger("sgl_atom.spec")
@@ -133,6 +133,7 @@ class AtomDSparkWorker(NGRAMWorker):
         settled = dk.settled if dk is not None else "auto"
         kv_pool = self.model_runner.token_to_kv_pool
         slots = int(kv_pool.size) + self.page_size
+        max_batch = 0 if self.producer else int(self.model_runner.max_running_requests)
         self.pool = DraftKVPool(
             slots=slots,
             layers=cfg.num_hidden_layers,
@@ -140,13 +141,17 @@ class AtomDSparkWorker(NGRAMWorker):
             head_dim=cfg.head_dim,
             dtype=settled,
             device=self.device,
-            compute_dtype=self.draft.w["fc.weight"].dtype,
+            compute_dtype=self.draft.dtype,
+            max_batch=max_batch,  # scratch rows for the block K/V of each batch row's pass
+            block_len=cfg.query_len,
         )
+        if not self.producer:
+            check_block_attention(cfg, self.pool)
         register_draft_pool(self.pool)  # the atom P/D backend moves it with the target's KV
         at_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
         logger.info(
             "ATOM_DSPARK draft KV pool: %s (%s), %d slots x %d layers, %d B/token (at bf16: %d "
-            "B/token), %.2f MiB",
+            "B/token), %.2f MiB; %d x %d scratch rows for the draft's blocks, %.2f MiB",
             settled,
             self.pool.k[0].dtype,
             slots,
@@ -154,6 +159,9 @@ class AtomDSparkWorker(NGRAMWorker):
             self.pool.bytes_per_token,
             at_bf16,
             self.pool.nbytes / 2**20,
+            max_batch,
+            cfg.query_len,
+            self.pool.scratch_nbytes / 2**20,
         )
 
     def clear_cache_pool(self) -> None:
@@ -165,21 +173,29 @@ class AtomDSparkWorker(NGRAMWorker):
     # ---------------------------------------------------------------- context
 
     def write_context(
-        self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        taps: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        max_position: int | None = None,
     ) -> None:
-        """Draft context K/V of tokens at ``positions`` into the draft pool at ``slots``."""
+        """Draft context K/V of tokens at ``positions`` (``max_position``: their bound, known
+        on the host) into the draft pool at ``slots``."""
         if slots.numel() == 0:
             return
-        for layer, (k, v) in enumerate(self.draft.context_kv(taps, positions)):
+        for layer, (k, v) in enumerate(self.draft.context_kv(taps, positions, max_position)):
             self.pool.write(layer, slots, k, v)
 
     def _write_extend_context(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
+        total = sum(batch.extend_lens)
         lens = torch.as_tensor(batch.extend_lens, device=self.device)
         starts = torch.as_tensor(batch.prefix_lens, device=self.device)
-        offsets = torch.arange(int(lens.sum()), device=self.device)
-        first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        positions = torch.repeat_interleave(starts, lens) + offsets - first
-        self.write_context(taps, positions, batch.out_cache_loc)
+        offsets = torch.arange(total, device=self.device)
+        first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+        positions = torch.repeat_interleave(starts, lens, output_size=total) + offsets - first
+        ends = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)]
+        bound = max(ends, default=1) - 1
+        self.write_context(taps, positions, batch.out_cache_loc, bound)
 
     def _write_verify_context(
         self, batch: ScheduleBatch, taps: torch.Tensor, accept_index: torch.Tensor, accept_lens
@@ -194,7 +210,8 @@ class AtomDSparkWorker(NGRAMWorker):
         positions = batch.seq_lens.long()[req] + cols.expand(len(batch.reqs), -1)[keep]
         pool_idx = batch.req_pool_indices.long()[req]
         slots = batch.req_to_token_pool.req_to_token[pool_idx, positions]
-        self.write_context(taps[rows], positions, slots)
+        bound = self._max_seq_len(batch) + n - 1
+        self.write_context(taps[rows], positions, slots, bound)
 
     # ---------------------------------------------------------------- propose
 
@@ -213,20 +230,27 @@ class AtomDSparkWorker(NGRAMWorker):
         chain = np.tril(np.ones((n, n), dtype=bool))
         return tokens.reshape(-1).cpu().numpy(), np.tile(chain.reshape(-1), bs)
 
+    @staticmethod
+    def _max_seq_len(batch: ScheduleBatch) -> int:
+        """The batch's longest sequence, from SGLang's host copy of the lengths (no sync)."""
+        lens = batch.seq_lens_cpu
+        return int(lens.max()) if lens is not None and lens.numel() else int(batch.seq_lens.max())
+
     def _propose(self, batch: ScheduleBatch, anchors: torch.Tensor) -> torch.Tensor:
-        seq_lens = batch.seq_lens.long()
-        owner = torch.repeat_interleave(torch.arange(len(batch.reqs), device=self.device), seq_lens)
-        first = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
-        pos = torch.arange(int(seq_lens.sum()), device=self.device) - first
-        slots = batch.req_to_token_pool.req_to_token[batch.req_pool_indices.long()[owner], pos]
-        context = [self.pool.read(layer, slots) for layer in range(self.pool.layers)]
+        """One draft pass for the whole batch: each request's block attends, through the
+        pool's page-size-1 table, to its own context rows (SGLang's ``req_to_token`` row) and
+        its block's scratch rows; nothing is gathered out of the pool."""
+        seq_lens, n = batch.seq_lens, self._max_seq_len(batch)
+        context = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :n]
+        table = block_page_table(context, seq_lens, self.pool.scratch_rows(len(batch.reqs)))
         return self.draft.propose(
             anchors=anchors,
             context_lens=seq_lens,
-            context_kv=context,
-            context_owner=owner,
+            page_table=table,
+            pool=self.pool,
             embed=self.embed,
             lm_head=self.lm_head,
+            max_context=n,
         )
 
     # ---------------------------------------------------------------- one step
