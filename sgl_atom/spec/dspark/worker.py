@@ -10,6 +10,9 @@ Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
   longest matching prefix plus the target's own next token is committed, and the draft writes
   the context K/V of the committed rows from the verify pass's taps.
 
+With ``--atom-dspark-forced-accept N`` (benchmarking only, :mod:`.forced_accept`) every verify
+commits N drafts plus one target token per request, whatever the drafts were.
+
 Writing context is separate from proposing: a step that never proposes (a P/D producer) still
 keeps the draft's context complete. Acceptance and tokens per forward go to the log every
 ``LOG_EVERY`` verify steps and to SGLang's own speculative metrics through ``accept_lens``.
@@ -45,6 +48,7 @@ from ...disagg.draft_registry import register_draft_pool
 from ...log import get_logger
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
+from .forced_accept import FLAG, WARNING, forced_accept, forced_acceptance
 from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool, block_page_table, check_block_attention
 from .pp_taps import assemble_taps, stage_layers, taps_on_stage
@@ -94,6 +98,9 @@ class AtomDSparkWorker(NGRAMWorker):
         target = self.model_runner.model
         path, pp = get_spec().speculative_draft_model_path, get_parallel()
         self.pool: DraftKVPool | None = None
+        self.forced_accept = forced_accept(server_args)
+        if self.forced_accept is not None:
+            logger.warning(WARNING, FLAG, self.forced_accept, self.forced_accept)
         self.producer = get_disagg().disaggregation_mode == "prefill"
         self.holds_draft = pp.pp_group.is_last_rank
         if not self.holds_draft:  # an earlier PP stage: the target step and its taps only
@@ -305,6 +312,14 @@ class AtomDSparkWorker(NGRAMWorker):
         predict, accept_lens, accept_index = eagle_sample(
             verify_input, batch, logits_output, None, watermark_state=None
         )
+        if self.forced_accept is not None:  # benchmarking: N drafts committed, whatever they are
+            predict, accept_lens, accept_index = forced_acceptance(
+                logits_output.next_token_logits,
+                len(batch.reqs),
+                self.draft_token_num,
+                accept_index.shape[1],
+                self.forced_accept,
+            )
         # No KV move (SGLang's move_accept_tokens_to_target_kvcache): in a chain the accepted
         # rows are the front of each verify window, where that move would put them, so it is
         # the identity; and the M3 target's MiniMaxSparseKVPool does not implement it.
