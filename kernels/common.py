@@ -2,6 +2,8 @@
 
 import torch
 
+_NUM_SMS: dict[int, int] = {}
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP8_SCALE_MIN = 1e-12  # floor on a per-row scale, so all-zero rows dequantize to zero
@@ -13,3 +15,19 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def num_sms(device: torch.device, cpu: int = 132) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached); ``cpu`` for any other device,
+    where launch grids are sized as for that many."""
+    if device.type != "cuda":
+        return cpu
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def f32_dot(q: torch.Tensor) -> bool:
+    """fp32 dots (ieee) for fp32 inputs, and on CPU: the interpreter's bf16 dot is not exact."""
+    return q.dtype == torch.float32 or q.device.type == "cpu"

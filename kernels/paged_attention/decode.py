@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import next_pow2
+from ..common import next_pow2, num_sms
 from .common import (
     LOG2E,
     OUT_BITS_SCALE,
@@ -28,7 +28,6 @@ MAX_SPLITS = 128
 # DRAM 37% busy, few long-scoreboard stalls, benchmarks/results/probe_fp8_decode_ncu.txt);
 # "bits" converts nothing.
 MIN_SPLIT_TOKENS = 256  # below this a split costs more in launch and merge than it saves
-_NUM_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -312,15 +311,6 @@ def decode_reduce_kernel(
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def decode_num_splits(

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import is_fp8, next_pow2
+from ..common import f32_dot, is_fp8, next_pow2, num_sms
 from .reference import SPARSE_BLOCK
 
 
@@ -180,14 +180,7 @@ def blocks_per_program_for(max_blocks: int, rows: int, device: torch.device) -> 
     (block, row tile) pairs per SM, else 1 (smaller problems need every program they can get).
     H200, fp8 cache: 4 is 12% faster than 1 at batch 64 x 128K; at batch 16 x 128K and 64 x 32K
     the choices lie within 3%; 1 is best at batch 1-4 (tune_sparse_scoring.log)."""
-    from .sparse_attn import num_sms
-
-    return 4 if max_blocks * rows >= 256 * num_sms(device) else 1
-
-
-def f32_dot(q: torch.Tensor) -> bool:
-    """fp32 dots (ieee) for fp32 inputs, and on CPU: the interpreter's bf16 dot is not exact."""
-    return q.dtype == torch.float32 or q.device.type == "cpu"
+    return 4 if max_blocks * rows >= 256 * num_sms(device, cpu=4) else 1
 
 
 def _check(

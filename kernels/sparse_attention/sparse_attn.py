@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import is_fp8, next_pow2
+from ..common import f32_dot, is_fp8, next_pow2, num_sms
 from ..paged_attention.common import (
     KV_MODES,
     OUT_BITS_SCALE,
@@ -20,11 +20,9 @@ from ..paged_attention.common import (
     fp8_bits,
     kv_mode_id,
 )
-from .block_select import f32_dot
 from .reference import SPARSE_BLOCK
 
 LOG2E = 1.4426950408889634
-_NUM_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -208,15 +206,6 @@ def sparse_attn_reduce_kernel(
     tl.store(OUT + t * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def num_splits_for(rows: int, topk: int, sms: int) -> int:
     """Splits of the top-k list so rows × splits programs fill about two waves (1 when full)."""
     want = triton.cdiv(2 * sms, max(rows, 1))
@@ -312,7 +301,7 @@ def sparse_attention_fwd(
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1 and out.dtype == q.dtype
     if num_splits is None:
-        num_splits = num_splits_for(total_q * kv_heads, topk, num_sms(q.device))
+        num_splits = num_splits_for(total_q * kv_heads, topk, num_sms(q.device, cpu=4))
     per = triton.cdiv(topk, num_splits)
     block_n = block_n or (SPARSE_BLOCK if q.device.type == "cpu" else 64)
     split = num_splits > 1
