@@ -8,30 +8,12 @@ without one (CPU reference mode, see :mod:`sgl_atom.cpu_mode`) it first builds t
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
 
 from . import cpu_mode
-
-
-def _flag_value(argv: list[str], names: tuple[str, ...], default: str) -> str:
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return default
-
-
-def num_ranks(argv: list[str]) -> int:
-    """Ranks a launch starts (tp × pp × dp) as far as they need CPU core lists."""
-    tp = int(_flag_value(argv, ("--tp-size", "--tp", "--tensor-parallel-size"), "1"))
-    pp = int(_flag_value(argv, ("--pp-size", "--pp", "--pipeline-parallel-size"), "1"))
-    dp = int(_flag_value(argv, ("--dp-size", "--dp", "--data-parallel-size"), "1"))
-    return tp * pp * dp
-
 
 ATTENTION_FLAGS = (
     "--attention-backend",
@@ -40,8 +22,40 @@ ATTENTION_FLAGS = (
 )
 
 
+def _parser() -> argparse.ArgumentParser:
+    """The few SGLang flags the launcher reads; every other argument goes to SGLang untouched.
+
+    Spellings and abbreviations are argparse's, as in SGLang's own parser (``--tp 2`` is
+    ``--tp-size 2`` there too); defaults are SGLang's."""
+    p = argparse.ArgumentParser(prog="sgl_atom.launch_server", add_help=False)
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pp-size", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="")
+    for flag in ATTENTION_FLAGS:
+        p.add_argument(flag, default="")
+    return p
+
+
+def read_flags(argv: list[str]) -> argparse.Namespace:
+    return _parser().parse_known_args(argv)[0]
+
+
+def num_ranks(argv: list[str]) -> int:
+    """Ranks a launch starts (tp × pp × dp) as far as they need CPU core lists."""
+    flags = read_flags(argv)
+    return flags.tp_size * flags.pp_size * flags.dp_size
+
+
 def uses_atom_backend(argv: list[str]) -> bool:
-    return any(_flag_value(argv, (flag,), "") == "atom" for flag in ATTENTION_FLAGS)
+    flags = read_flags(argv)
+    return "atom" in (
+        flags.attention_backend,
+        flags.prefill_attention_backend,
+        flags.decode_attention_backend,
+    )
 
 
 def port_free(host: str, port: int) -> bool:
@@ -55,8 +69,8 @@ def port_free(host: str, port: int) -> bool:
 
 
 def check_port(argv: list[str]) -> None:
-    host = _flag_value(argv, ("--host",), "127.0.0.1")
-    port = int(_flag_value(argv, ("--port",), "30000"))
+    flags = read_flags(argv)
+    host, port = flags.host, flags.port
     if not port_free(host, port):
         raise SystemExit(
             f"sgl_atom: port {port} on {host} is already in use: stop the process holding it "
@@ -70,7 +84,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if cpu_mode.cpu_mode_enabled():
         env = cpu_mode.server_env(num_ranks(argv), env)
-        if _flag_value(argv, ("--device",), "") == "":
+        if read_flags(argv).device == "":
             argv += ["--device", "cpu"]
         if uses_atom_backend(argv):
             env["TRITON_INTERPRET"] = "1"  # the atom kernels run in Triton's interpreter

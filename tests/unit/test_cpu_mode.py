@@ -95,7 +95,40 @@ def test_server_command_with_a_gpu_changes_nothing(monkeypatch):
 def test_num_ranks_reads_parallel_flags():
     assert launch_server.num_ranks(["--tp", "2"]) == 2
     assert launch_server.num_ranks(["--pp-size=2", "--tp-size", "2"]) == 4
+    assert launch_server.num_ranks(["--model-path", "m", "--tensor-parallel", "2", "--dp=3"]) == 6
     assert launch_server.num_ranks([]) == 1
+
+
+def test_launcher_reads_abbreviations_and_passes_the_rest():
+    argv = [
+        "--model-path",
+        "m",
+        "--attention-back",
+        "atom",
+        "--port=31000",
+        "--pp-max-micro-batch-size",
+        "4",
+    ]
+    assert launch_server.uses_atom_backend(argv)
+    assert launch_server.read_flags(argv).port == 31000
+    assert launch_server.num_ranks(argv) == 1  # --pp-max-micro-batch-size is not --pp-size
+    assert not launch_server.uses_atom_backend(["--attention-backend", "triton"])
+    assert launch_server.uses_atom_backend(["--decode-attention-backend=atom"])
+
+
+def test_launcher_flags_are_sglang_flags():
+    """Every flag the launcher reads is spelled, and lands in the same field, as in SGLang's own
+    parser (so a rename upstream fails here)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    theirs = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(theirs)
+    dest = {o: a.dest for a in theirs._actions for o in a.option_strings}
+    for action in launch_server._parser()._actions:
+        for option in action.option_strings:
+            assert dest.get(option) == action.dest, option
 
 
 def test_port_in_use_is_one_clear_message():
