@@ -12,11 +12,11 @@ if not torch.cuda.is_available():
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit", "kernels")
 )
-from helpers import assert_close_rel, import_kernels, poisoned  # noqa: E402
+from helpers import assert_close_rel, poisoned  # noqa: E402
 from paged_inputs import FP8, indptr, paged_kv, queries  # noqa: E402
+from sgl_atom.kernels import kv_quant as kvq  # noqa: E402
+from sgl_atom.kernels import paged_attention as pa  # noqa: E402
 
-pa = import_kernels("paged_attention")
-kvq = import_kernels("kv_quant")
 DEV = "cuda"
 TOL = 2e-2
 DTYPES = [torch.bfloat16, FP8]

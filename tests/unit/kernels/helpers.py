@@ -42,20 +42,3 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 def device() -> str:
     """Where kernels run in these tests: CUDA when present, else CPU under TRITON_INTERPRET=1."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def import_kernels(family: str):
-    """`sgl_atom.kernels.<family>` when installed, else `kernels.<family>` from the repo root."""
-    import importlib
-    import os
-    import sys
-
-    try:
-        return importlib.import_module(f"sgl_atom.kernels.{family}")
-    except ImportError:
-        root = os.path.dirname(
-            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        )
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        return importlib.import_module(f"kernels.{family}")

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from helpers import device, import_kernels, poisoned, rel_err
+from helpers import device, poisoned, rel_err
+from sgl_atom.kernels import kv_quant as kvq
 
-kvq = import_kernels("kv_quant")
 DEV = device()
 FP8 = torch.float8_e4m3fn
 

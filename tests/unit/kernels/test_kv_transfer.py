@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import device, import_kernels, poisoned
-
-kt = import_kernels("kv_transfer")
+from helpers import device, poisoned
+from sgl_atom.kernels import kv_transfer as kt
 
 # (name, page_size, runs_per_page): runs None = SGLang token-major
 LAYOUTS = [

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import assert_close_rel, device, import_kernels, poisoned, rel_err
+from helpers import assert_close_rel, device, poisoned, rel_err
 from paged_inputs import FP8, indptr, paged_kv, queries
+from sgl_atom.kernels import paged_attention as pa
 
-pa = import_kernels("paged_attention")
 DEV = device()
 TOL = 5e-3  # bf16 rounding (q, probabilities; fp32 dots on CPU) with fp32 accumulation
 
@@ -298,7 +298,7 @@ def test_fp8_per_token_attention_beats_per_tensor_scale():
 
 
 def _quantize(c):
-    kvq = import_kernels("kv_quant")
+    from sgl_atom.kernels import kv_quant as kvq
     c8 = torch.empty(c.shape, dtype=FP8, device=DEV)
     s = torch.empty(c.shape[:2], device=DEV)
     kvq.store_kv(

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close_rel, device, import_kernels, poisoned
+from helpers import assert_close_rel, device, poisoned
+from sgl_atom.kernels import sparse_attention as sa
 
-sa = import_kernels("sparse_attention")
 FP8 = torch.float8_e4m3fn
 
 
