@@ -1,13 +1,16 @@
 """The ``sglang.srt.plugins`` entry point: the one place that touches SGLang's registries.
 
 SGLang calls :func:`register` once in every process it starts (launcher, engine, schedulers,
-detokenizer). SGLang only logs a plugin that raises and carries on without it, so a failure
-here is logged loudly at ERROR with the remedy, and re-raised.
+detokenizer). Features register through SGLang's APIs (attention backend, speculative
+algorithm, transfer backend choice, resolution hook); every monkey-patch is installed by
+:func:`sgl_atom.patches.install`, called only here. SGLang only logs a plugin that raises and
+carries on without it, so a failure here is logged loudly at ERROR with the remedy, and
+re-raised; a hook SGLang fails to apply fails start-up later (``patches.hooks_applied``).
 """
 
 from __future__ import annotations
 
-from . import cpu_mode, envs
+from . import cpu_mode
 from .log import get_logger
 
 logger = get_logger("sgl_atom.plugin")
@@ -39,7 +42,7 @@ def register() -> list[str]:
 
 
 def _register_all() -> list[str]:
-    from . import attention
+    from . import attention, patches
     from .disagg import backend as disagg_backend
     from .spec import draft_kv_dtype
     from .spec.dspark import algorithm as dspark_algorithm
@@ -48,27 +51,10 @@ def _register_all() -> list[str]:
     names += draft_kv_dtype.register()
     names += disagg_backend.register()
     names.append(dspark_algorithm.register())
-    from .patches import m3_atom_unwrapped
-
-    m3_atom_unwrapped.install()
-    names.append("patch:m3_atom_unwrapped")
-    if envs.SGL_ATOM_REQUEST_CHECKS.get():
-        from .patches import request_checks
-
-        request_checks.install()
-        names.append("patch:request_checks")
+    names += patches.install()  # every HookRegistry hook, and only here
     if cpu_mode.cpu_mode_enabled():
         from . import cpu_spec_ops
-        from .patches import cpu_fp8_kv, cpu_gloo_groups, cpu_kv_move
 
-        cpu_gloo_groups.install()
-        cpu_fp8_kv.install()
-        cpu_kv_move.install()
         cpu_spec_ops.install()
-        names += [
-            "patch:cpu_gloo_groups",
-            "patch:cpu_fp8_kv",
-            "patch:cpu_kv_move",
-            "cpu_ops:speculative",
-        ]
+        names.append("cpu_ops:speculative")
     return names

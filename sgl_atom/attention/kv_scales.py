@@ -54,3 +54,47 @@ def scales_for_pool(pool) -> KVScales:
         scales.nbytes() / 2**20,
     )
     return scales
+
+
+# ---------------------------------------------------------------- the pool budget
+
+
+def target_layers(kvc) -> int:
+    """Full-attention layers of the target's pool on this rank (SGLang's ``KVCacheConfig``)."""
+    m = kvc.mambaish_config
+    if m:
+        lo, hi = kvc.layer_info.start_layer, kvc.layer_info.end_layer
+        return sum(lo <= i < hi for i in m.full_attention_layer_ids)
+    return kvc.layer_info.num_effective_layers
+
+
+def atom_fp8_scale_bytes(kvc, num_layers: int) -> int:
+    """Bytes per token of the atom backend's fp8 scales: K and V, fp32, per KV head and layer."""
+    from sglang.srt.runtime_context import get_parallel
+
+    kv_heads = kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
+    return 2 * 4 * kv_heads * num_layers
+
+
+def add_atom_fp8_scales(configurator, kvc, *args, **kwargs):
+    """With fp8 KV and the atom backend serving every mode, add the scales' bytes to the
+    target's per-token cell size of SGLang's pool configurator, so the pool still fits the
+    memory budget (called by ``sgl_atom.patches.pool_budget``). Returns the configurator when
+    it changed it, else None."""
+    from sglang.srt.runtime_context import attention_backends
+
+    backends = {b for b in attention_backends() if b is not None}
+    if kvc.kv_cache_dtype != torch.float8_e4m3fn or not backends or backends - {"atom"}:
+        return None
+    if kvc.use_mla_backend or not getattr(configurator, "_cell_size", 0):
+        return None
+    extra = atom_fp8_scale_bytes(kvc, target_layers(kvc))
+    before = configurator._cell_size
+    configurator._cell_size = before + extra
+    logger.info(
+        "atom fp8 KV: per-token budget %d -> %d bytes (+%d for per-token, per-head scales)",
+        before,
+        before + extra,
+        extra,
+    )
+    return configurator

@@ -1,13 +1,26 @@
 """Monkey-patches of SGLang internals, one module per target, each with a ledger entry.
 
 We register through SGLang's own APIs first; a module here exists only where SGLang offers no
-API. Every patch is applied through SGLang's ``HookRegistry`` (so it is idempotent and keeps the
-original), is listed in :data:`LEDGER`, and has a test in ``tests/unit/test_patches.py``.
+API. Every patch is applied through SGLang's ``HookRegistry`` (so it keeps the original), is
+registered once (:func:`register_once`), is listed in :data:`LEDGER` with the tests that cover
+it, and is installed by :func:`install`, which the plugin's ``register()`` calls: nothing else
+installs a hook. SGLang applies the hooks after every plugin ran and only logs a hook that
+failed to apply, so ``hooks_applied`` checks, in every SGLang process, that each target
+sgl_atom hooked is wrapped, and fails start-up naming the target (:func:`verify_applied`).
+
+:data:`PRIVATE_NAMES` lists the other private SGLang names the code relies on (and the
+attributes it sets on SGLang objects); ``tests/unit/test_patches.py`` fails when one moves.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
+
+HOOK_KINDS = ("before", "after", "around", "replace")  # SGLang's HookType values
+ALWAYS, CPU_MODE, REQUEST_CHECKS = "always", "CPU mode", "SGL_ATOM_REQUEST_CHECKS on"
 
 
 @dataclass(frozen=True)
@@ -16,7 +29,88 @@ class LedgerEntry:
     target: str  # dotted path of what is patched in SGLang
     why: str
     upstream: str  # where upstream the behaviour lives
+    upstream_change: str  # the upstream PR/issue that would let the patch go ("none filed: ...")
     remove_when: str
+    tests: tuple[str, ...]  # test files (from the repository root) that cover the patch
+    applies: str = ALWAYS  # ALWAYS, CPU_MODE or REQUEST_CHECKS
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    name: str  # dotted: module[.Class].attr
+    kind: (
+        str  # "method", "class attribute", "instance attribute", "module global", "set by sgl_atom"
+    )
+    used_by: str  # sgl_atom modules that rely on it
+    why: str
+
+
+class HooksNotApplied(RuntimeError):
+    """SGLang did not apply a hook sgl_atom registered; the message names the target."""
+
+
+def register_once(target: str, hook: Callable, kind: str) -> None:
+    """Register ``hook`` on ``target`` with SGLang's HookRegistry unless it already is there."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    assert kind in HOOK_KINDS, f"hook kind {kind!r} is not one of {HOOK_KINDS}"
+    if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+        return
+    HookRegistry.register(target, hook, HookType(kind))
+
+
+def applies(entry: LedgerEntry) -> bool:
+    """Whether the patch is installed in this process."""
+    from .. import cpu_mode, envs
+
+    if entry.applies == CPU_MODE:
+        return cpu_mode.cpu_mode_enabled()
+    if entry.applies == REQUEST_CHECKS:
+        return bool(envs.SGL_ATOM_REQUEST_CHECKS.get())
+    assert entry.applies == ALWAYS, entry.applies
+    return True
+
+
+def install() -> list[str]:
+    """Register every ledger patch that applies here (idempotent); returns ``patch:<module>``
+    names for the plugin's log line."""
+    names = []
+    for entry in LEDGER:
+        if applies(entry):
+            importlib.import_module(entry.module).install()
+            names.append("patch:" + entry.module.rsplit(".", 1)[1])
+    return names
+
+
+def _is_wrapped(target: str) -> bool:
+    owner, attr = target.rsplit(".", 1)
+    try:
+        value = getattr(pkgutil.resolve_name(owner), attr)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return hasattr(value, "__wrapped__")  # HookRegistry's wrappers keep the original there
+
+
+def verify_applied() -> list[str]:
+    """The targets sgl_atom hooked in this process, after SGLang applied the hooks; raises
+    :class:`HooksNotApplied` naming each one SGLang did not wrap."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    modules = {e.target: e.module for e in LEDGER}
+    ours = [
+        target
+        for target, hooks in HookRegistry._hooks.items()
+        if any(getattr(h, "__module__", "").startswith(__name__ + ".") for _, h, _ in hooks)
+    ]
+    missing = [t for t in ours if t not in HookRegistry._patched or not _is_wrapped(t)]
+    if missing:
+        raise HooksNotApplied(
+            "sgl_atom: SGLang did not apply the hook on "
+            + ", ".join(f"{t} ({modules.get(t, 'not in the ledger')})" for t in missing)
+            + "; sgl_atom cannot serve without it. SGLang's log says why ('Failed to apply "
+            "hooks to ...'); check that sglang==0.5.23 is installed."
+        )
+    return ours
 
 
 LEDGER: tuple[LedgerEntry, ...] = (
@@ -30,6 +124,9 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/distributed/parallel_state.py init_model_parallel_group",
         remove_when="SGLang stops enabling PyNccl for gloo groups",
+        upstream_change="none filed: use_pynccl=False for gloo groups in init_model_parallel_group",
+        tests=("tests/unit/test_plugin.py", "tests/e2e/test_parity.py"),
+        applies=CPU_MODE,
     ),
     LedgerEntry(
         module="sgl_atom.patches.cpu_fp8_kv",
@@ -41,6 +138,9 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/mem_cache/kv_cache_configurator.py configure()",
         remove_when="SGLang asks the attention backend whether it reads fp8 KV on CPU",
+        upstream_change="none filed: ask the attention backend whether it reads fp8 KV on CPU",
+        tests=("tests/unit/test_plugin.py", "tests/e2e/test_atom_serving.py"),
+        applies=CPU_MODE,
     ),
     LedgerEntry(
         module="sgl_atom.patches.cpu_kv_move",
@@ -53,6 +153,12 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/mem_cache/memory_pool.py MHATokenToKVPool.__init__",
         remove_when="the CPU sgl_kernel ships copy_all_layer_kv_cache_cpu",
+        upstream_change=(
+            "none filed: ship copy_all_layer_kv_cache_cpu in the CPU sgl_kernel, or fall back "
+            "to the native move when the op is missing"
+        ),
+        tests=("tests/unit/test_plugin.py", "tests/e2e/test_dspark_serving.py"),
+        applies=CPU_MODE,
     ),
     LedgerEntry(
         module="sgl_atom.patches.cli_args",
@@ -64,6 +170,8 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/server_args.py ServerArgs.add_cli_args",
         remove_when="SGLang offers an API for plugin CLI flags",
+        upstream_change="none filed: a plugin API for CLI flags",
+        tests=("tests/unit/test_plugin.py", "tests/unit/test_draft_kv_dtype.py"),
     ),
     LedgerEntry(
         module="sgl_atom.patches.prepare_server_args",
@@ -75,24 +183,39 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/server_args.py prepare_server_args / from_cli_args",
         remove_when="SGLang carries plugin flags on ServerArgs",
+        upstream_change="none filed: plugin flags carried on ServerArgs",
+        tests=("tests/unit/test_plugin.py", "tests/unit/test_draft_kv_dtype.py"),
     ),
     LedgerEntry(
         module="sgl_atom.patches.pool_budget",
         target="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
         why=(
             "The atom backend's fp8 KV keeps fp32 scales per token and KV head that SGLang's "
-            "cell size does not count: the first AFTER hook adds them, so the pool fits the "
-            "memory budget. "
+            "cell size does not count, so the pool would not fit the memory budget. "
             "DefaultPoolConfigurator reserves an EAGLE/STANDALONE draft's layers at the "
             "target's bytes per token whatever the draft's KV dtype, so an fp8 draft under a "
-            "bf16 target gets fewer KV tokens than fit. The AFTER hook re-prices the draft term "
-            "at the settled draft dtype and logs the draft pool's bytes and tokens gained."
+            "bf16 target gets fewer KV tokens than fit; the ATOM_DSPARK draft pool is unknown "
+            "to SGLang. One AFTER hook calls the features that own those bytes "
+            "(attention.kv_scales, spec.draft_kv_pricing), which add or re-price them."
         ),
         upstream=(
             "sglang 0.5.23 srt/model_executor/pool_configurator.py DefaultPoolConfigurator."
             "__init__ (EAGLE/STANDALONE draft_kv_size); HybridSWAPoolConfigurator ~736-810"
         ),
-        remove_when="SGLang prices EAGLE/STANDALONE drafts with the draft's KV dtype",
+        remove_when=(
+            "SGLang prices EAGLE/STANDALONE drafts with the draft's KV dtype and lets a "
+            "backend (fp8 scales) and an algorithm (its own draft pool) add bytes per token"
+        ),
+        upstream_change=(
+            "none filed: price EAGLE/STANDALONE drafts at the draft KV dtype, and let an "
+            "attention backend or a speculative algorithm add bytes per token"
+        ),
+        tests=(
+            "tests/unit/test_patches.py",
+            "tests/unit/test_atom_backend.py",
+            "tests/unit/test_draft_kv_dtype.py",
+            "tests/e2e/test_dspark_serving.py",
+        ),
     ),
     LedgerEntry(
         module="sgl_atom.patches.disagg_backend_enum",
@@ -104,6 +227,8 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/disaggregation/utils.py TransferBackend",
         remove_when="SGLang lets a plugin register a transfer backend value",
+        upstream_change="none filed: a transfer-backend registry (value and classes)",
+        tests=("tests/unit/test_plugin.py", "tests/unit/test_disagg_backend.py"),
     ),
     LedgerEntry(
         module="sgl_atom.patches.disagg_kv_class",
@@ -115,6 +240,8 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/disaggregation/utils.py get_kv_class",
         remove_when="SGLang offers a transfer-backend class registry",
+        upstream_change="none filed: a transfer-backend registry (value and classes)",
+        tests=("tests/unit/test_plugin.py", "tests/unit/test_disagg_backend.py"),
     ),
     LedgerEntry(
         module="sgl_atom.patches.disagg_pool_registry",
@@ -130,6 +257,8 @@ LEDGER: tuple[LedgerEntry, ...] = (
             "(KVArgs carries pointers only)"
         ),
         remove_when="KVArgs (or the manager's constructor) carries the KV pool",
+        upstream_change="none filed: KVArgs carrying the KV pool",
+        tests=("tests/unit/test_plugin.py", "tests/unit/test_disagg_backend.py"),
     ),
     LedgerEntry(
         module="sgl_atom.patches.pp_spec_compat",
@@ -142,6 +271,11 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/arg_groups/validation_hook.py check_pipeline_parallel_compat",
         remove_when="SGLang asks a registered speculative algorithm whether it supports PP",
+        upstream_change=(
+            "none filed for a registered algorithm's say; related demand: sgl-project/sglang "
+            "#37154, #23162 (PP prefill + speculative decode)"
+        ),
+        tests=("tests/unit/test_plugin.py", "tests/unit/test_dspark_pp.py"),
     ),
     LedgerEntry(
         module="sgl_atom.patches.m3_atom_unwrapped",
@@ -155,6 +289,12 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/layers/attention/attention_registry.py attn_backend_wrapper",
         remove_when="SGLang lets a model or backend opt out of the MiniMax sparse wrapper",
+        upstream_change="none filed: a model or backend opt-out of the MiniMax sparse wrapper",
+        tests=(
+            "tests/unit/test_plugin.py",
+            "tests/unit/test_m3_serving_config.py",
+            "tests/e2e/test_m3_serving.py",
+        ),
     ),
     LedgerEntry(
         module="sgl_atom.patches.request_checks",
@@ -167,5 +307,156 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
         upstream="sglang 0.5.23 srt/managers/tokenizer_manager.py _validate_one_request",
         remove_when="SGLang validates token ids, empty prompts and top_logprobs_num itself",
+        upstream_change=(
+            "none filed (proposed in the README's known issues: check token ids, empty "
+            "prompts and top_logprobs_num in _validate_one_request)"
+        ),
+        tests=(
+            "tests/unit/test_plugin.py",
+            "tests/unit/test_request_checks.py",
+            "tests/e2e/test_api.py",
+        ),
+        applies=REQUEST_CHECKS,
+    ),
+    LedgerEntry(
+        module="sgl_atom.patches.hooks_applied",
+        target="sglang.srt.runtime_context.publish",
+        why=(
+            "SGLang applies plugin hooks after every plugin ran and only logs a hook that "
+            "failed to apply, so a server would run without a patch it needs. Every SGLang "
+            "process (launcher/tokenizer, scheduler, detokenizer, DP controller) calls "
+            "publish() right after load_plugins(); the BEFORE hook checks that each target "
+            "sgl_atom hooked is wrapped and fails start-up naming the target if not."
+        ),
+        upstream="sglang 0.5.23 srt/plugins/__init__.py load_plugins (logs, carries on)",
+        upstream_change="none filed: let a plugin ask load_plugins to fail on a hook that fails",
+        remove_when="SGLang fails start-up (or reports to the plugin) when a hook fails to apply",
+        tests=("tests/unit/test_patches.py", "tests/e2e/test_api.py"),
+    ),
+)
+
+_NGRAM = "sglang.srt.speculative.ngram_worker.NGRAMWorker"
+_NGRAM_WHY = (
+    "AtomDSparkWorker subclasses NGRAMWorker for SGLang's chain/tree verify but skips its "
+    "__init__ (the n-gram corpus), so it sets the attributes NGRAMWorker's methods read"
+)
+_CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+_PRICING = "sgl_atom.attention.kv_scales, sgl_atom.spec.draft_kv_pricing"
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName(
+        "sglang.srt.plugins.hook_registry.HookRegistry._hooks",
+        "class attribute",
+        "sgl_atom.patches (register_once, verify_applied)",
+        "no public way to ask which hooks are registered on a target",
+    ),
+    PrivateName(
+        "sglang.srt.plugins.hook_registry.HookRegistry._patched",
+        "class attribute",
+        "sgl_atom.patches (verify_applied)",
+        "no public way to ask whether a target's hooks were applied",
+    ),
+    PrivateName(
+        "sglang.srt.arg_groups.resolution_hooks._HOOKS",
+        "module global",
+        "sgl_atom.spec.draft_kv_resolution (install)",
+        "register_resolution_hook appends every call; the registry is read to register once",
+    ),
+    PrivateName(
+        f"{_NGRAM}._prepare_for_speculative_decoding",
+        "method",
+        "sgl_atom.spec.dspark.worker",
+        "builds the verify input (tree mask, positions, cache locs) from _prepare_draft_tokens",
+    ),
+    PrivateName(
+        f"{_NGRAM}._prepare_draft_tokens",
+        "method",
+        "sgl_atom.spec.dspark.worker",
+        "overridden: the DSpark draft's tokens and a chain mask instead of n-gram matches",
+    ),
+    *(
+        PrivateName(
+            f"{_NGRAM}.{attr}", "instance attribute", "sgl_atom.spec.dspark.worker", _NGRAM_WHY
+        )
+        for attr in (
+            "_target_worker",
+            "enable_overlap",
+            "model_runner",
+            "page_size",
+            "device",
+            "draft_token_num",
+            "speculative_num_draft_tokens",
+            "topk",
+            "speculative_num_steps",
+            "adaptive_controller",
+            "grammar_tree_host",
+            "max_trie_depth",
+        )
+    ),
+    PrivateName(
+        f"{_CONFIGURATOR}._cell_size",
+        "instance attribute",
+        _PRICING,
+        "the per-token bytes the pool is sized with; the pricing adds or re-prices terms",
+    ),
+    PrivateName(
+        f"{_CONFIGURATOR}._fixed_overhead_bytes",
+        "instance attribute",
+        "sgl_atom.spec.draft_kv_pricing",
+        "subtracted from the budget to log the tokens the draft's dtype gains",
+    ),
+    PrivateName(
+        f"{_CONFIGURATOR}._compute_cell_size",
+        "method",
+        "sgl_atom.spec.draft_kv_pricing",
+        "the target's own per-token bytes, to split the draft term off the cell size",
+    ),
+    PrivateName(
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._kv_copy_config",
+        "instance attribute",
+        "sgl_atom.patches.cpu_kv_move",
+        "set to None with use_native_move_kv_cache: the pool then moves rows with torch",
+    ),
+    PrivateName(
+        "sglang.srt.mem_cache.kv_cache_configurator.cpu_has_amx_support",
+        "module global",
+        "sgl_atom.patches.cpu_fp8_kv",
+        "answered True for the duration of configure() when atom serves every mode",
+    ),
+    PrivateName(
+        "sglang.srt.mem_cache.kv_cache_configurator.attention_backends",
+        "module global",
+        "sgl_atom.patches.cpu_fp8_kv",
+        "answered with intel_amx for atom for the duration of configure()",
+    ),
+    PrivateName(
+        "sglang.srt.disaggregation.common.conn.CommonKVManager._start_heartbeat_checker_thread",
+        "method",
+        "sgl_atom.disagg.conn",
+        "the decode side's heartbeat to its prefill peers, as SGLang's own backends start it",
+    ),
+    PrivateName(
+        "sglang.srt.server_args.ServerArgs._sgl_atom_cli",
+        "set by sgl_atom",
+        "sgl_atom.patches.prepare_server_args, sgl_atom.spec.draft_kv_resolution",
+        "sgl_atom's flag values; a _-prefixed non-field attribute survives the pickle",
+    ),
+    PrivateName(
+        "sglang.srt.server_args.ServerArgs._sgl_atom_draft_kv",
+        "set by sgl_atom",
+        "sgl_atom.spec.draft_kv_resolution and every reader of the settled draft dtype",
+        "the settled draft KV dtype; a _-prefixed non-field attribute survives the pickle",
+    ),
+    PrivateName(
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._sgl_atom_kv_scales",
+        "set by sgl_atom",
+        "sgl_atom.attention.kv_scales, sgl_atom.disagg.pool_regions",
+        "the atom backend's fp8 scales hang off the pool every backend of it reads",
+    ),
+    PrivateName(
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._sgl_atom_index_cache",
+        "set by sgl_atom",
+        "sgl_atom.attention.sparse, sgl_atom.disagg.pool_regions",
+        "the sparse index cache hangs off the target's KV pool",
     ),
 )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from . import register_once
+
 TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 
 
@@ -44,10 +46,4 @@ def add_cli_args_with_sgl_atom_flags(result, parser: argparse.ArgumentParser, *a
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(
-        h is add_cli_args_with_sgl_atom_flags for _, h, _ in HookRegistry._hooks.get(TARGET, [])
-    ):
-        return
-    HookRegistry.register(TARGET, add_cli_args_with_sgl_atom_flags, HookType.AFTER)
+    register_once(TARGET, add_cli_args_with_sgl_atom_flags, "after")

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure"
 _MODULE = "sglang.srt.mem_cache.kv_cache_configurator"
 
@@ -39,6 +41,4 @@ def configure_with_atom_fp8(original: Callable[..., Any], self, *args: Any, **kw
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, configure_with_atom_fp8, HookType.AROUND)
+    register_once(TARGET, configure_with_atom_fp8, "around")

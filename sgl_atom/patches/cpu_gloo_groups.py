@@ -10,6 +10,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 
@@ -23,7 +25,4 @@ def gloo_groups_without_pynccl(original: Callable[..., Any], *args: Any, **kwarg
 
 
 def install() -> None:
-    """Register the hook with SGLang's HookRegistry (applied after all plugins ran)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, gloo_groups_without_pynccl, HookType.AROUND)
+    register_once(TARGET, gloo_groups_without_pynccl, "around")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 
 
@@ -27,7 +29,4 @@ def native_move_on_cpu(original: Callable[..., Any], self, *args: Any, **kwargs:
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if native_move_on_cpu not in [h for _, h, _ in HookRegistry._hooks.get(TARGET, [])]:
-        HookRegistry.register(TARGET, native_move_on_cpu, HookType.AROUND)
+    register_once(TARGET, native_move_on_cpu, "around")

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.disaggregation.utils.TransferBackend._missing_"
 
 _MEMBERS: dict[str, Any] = {}
@@ -37,8 +39,4 @@ def missing_with_sgl_atom_backends(original: Callable[[Any], Any], value: Any) -
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(h is missing_with_sgl_atom_backends for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, missing_with_sgl_atom_backends, HookType.AROUND)
+    register_once(TARGET, missing_with_sgl_atom_backends, "around")

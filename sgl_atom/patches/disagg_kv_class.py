@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
 
 # backend value -> {KVClassType value: zero-arg loader of the class}
@@ -40,8 +42,4 @@ def kv_class_with_sgl_atom_backends(
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(h is kv_class_with_sgl_atom_backends for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, kv_class_with_sgl_atom_backends, HookType.AROUND)
+    register_once(TARGET, kv_class_with_sgl_atom_backends, "around")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.disaggregation.utils.get_kv_transfer_buf_infos"
 
 _POOLS: dict[int, weakref.ref] = {}
@@ -32,8 +34,4 @@ def record_pool(result: Any, pool: Any, *a: Any, **kw: Any) -> None:
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(h is record_pool for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, record_pool, HookType.AFTER)
+    register_once(TARGET, record_pool, "after")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..log import get_logger
+from . import register_once
 
 TARGET = "sglang.srt.layers.attention.attention_registry.attn_backend_wrapper"
 MODEL_FLAG = "SERVES_SPARSE_ON_ATOM"
@@ -45,6 +46,4 @@ def wrap_unless_atom_serves_sparse(
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, wrap_unless_atom_serves_sparse, HookType.AROUND)
+    register_once(TARGET, wrap_unless_atom_serves_sparse, "around")

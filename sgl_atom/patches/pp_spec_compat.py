@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.arg_groups.validation_hook.check_pipeline_parallel_compat"
 ALGORITHM = "ATOM_DSPARK"
 
@@ -38,8 +40,4 @@ def pp_compat_with_atom_dspark(original: Callable[[Any], Any], cfg: Any) -> Any:
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(h is pp_compat_with_atom_dspark for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, pp_compat_with_atom_dspark, HookType.AROUND)
+    register_once(TARGET, pp_compat_with_atom_dspark, "around")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import cli_args
+from . import cli_args, register_once
 
 TARGET = "sglang.srt.server_args.prepare_server_args"
 ATTR = "_sgl_atom_cli"
@@ -37,8 +37,4 @@ def record_sgl_atom_flags(server_args, argv, *a, **kw):
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(h is record_sgl_atom_flags for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, record_sgl_atom_flags, HookType.AFTER)
+    register_once(TARGET, record_sgl_atom_flags, "after")

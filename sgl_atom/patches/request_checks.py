@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import register_once
+
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 MAX_N = 256  # parallel samples per request
 
@@ -71,8 +73,4 @@ def validate_before(manager: Any, obj: Any, input_ids: list[int] | None, *a, **k
 
 
 def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if any(h is validate_before for _, h, _ in HookRegistry._hooks.get(TARGET, [])):
-        return
-    HookRegistry.register(TARGET, validate_before, HookType.BEFORE)
+    register_once(TARGET, validate_before, "before")

@@ -205,8 +205,10 @@ def draft_key_suffix(cfg: DraftKVConfig | None) -> str:
 
 
 def register() -> list[str]:
-    """Install the option's SGLang glue: CLI alias, resolution hook, draft pool budget."""
-    from ..patches import cli_args, pool_budget, prepare_server_args
+    """Declare the option's CLI alias and register its resolution hook (SGLang's API); the
+    patches that carry the alias and price the draft pool are installed by
+    ``sgl_atom.patches.install``."""
+    from ..patches import cli_args
     from . import draft_kv_resolution
 
     cli_args.add_flag(
@@ -218,14 +220,5 @@ def register() -> list[str]:
             "of a speculative draft that owns its KV pool. Default: the target's dtype.",
         )
     )
-    cli_args.install()
-    prepare_server_args.install()
     draft_kv_resolution.install()
-    pool_budget.install()
-    return [
-        "flag:" + ALIAS_FLAG,
-        "resolution:handle_speculative_decoding",
-        "patch:cli_args",
-        "patch:prepare_server_args",
-        "patch:pool_budget",
-    ]
+    return ["flag:" + ALIAS_FLAG, "resolution:handle_speculative_decoding"]

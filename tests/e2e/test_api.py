@@ -23,6 +23,9 @@ def test_plugin_is_loaded_in_every_process(tp1):
     log = tp1.log_text()
     # launcher/tokenizer, scheduler and detokenizer each run register()
     assert log.count("sgl_atom registered:") >= 3, tp1.log_tail()
+    # ... and each checks, once SGLang applied the hooks, that every hooked target is wrapped
+    for role in ("tokenizer", "scheduler", "detokenizer"):
+        assert f"targets wrapped ({role})" in log, tp1.log_tail()
 
 
 def test_generate_answers(tp1):

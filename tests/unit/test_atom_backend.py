@@ -263,7 +263,7 @@ def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
 def test_fp8_scales_are_priced_into_the_pool_budget(monkeypatch, backends, kv_dtype, grows):
     import sglang.srt.runtime_context as rc
 
-    from sgl_atom.patches import pool_budget
+    from sgl_atom.attention.kv_scales import add_atom_fp8_scales
 
     monkeypatch.setattr(rc, "attention_backends", lambda: backends)
     kvc = SimpleNamespace(
@@ -274,6 +274,6 @@ def test_fp8_scales_are_priced_into_the_pool_budget(monkeypatch, backends, kv_dt
         model_config=SimpleNamespace(get_num_kv_heads=lambda tp: KV_HEADS),
     )
     conf = SimpleNamespace(_cell_size=1000)
-    pool_budget.add_atom_fp8_scales(conf, kvc)
+    add_atom_fp8_scales(conf, kvc)
     # K and V, 4 bytes each, per KV head and layer
     assert conf._cell_size == (1000 + 2 * 4 * KV_HEADS * 3 if grows else 1000)

@@ -260,13 +260,14 @@ def test_family_table_matches_sglang_pool_builders(sglang_kernels_importable, mo
 
 @pytest.fixture
 def hooked():
-    """dk.register() applied to a clean HookRegistry; SGLang restored afterwards."""
+    """dk.register() and the option's patches applied to a clean HookRegistry; SGLang restored
+    afterwards."""
     from sglang.srt import server_args as sa_mod
     from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.model_executor import pool_configurator
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sgl_atom.patches import cli_args
+    from sgl_atom.patches import cli_args, pool_budget, prepare_server_args
     from sgl_atom.spec import draft_kv_resolution
 
     originals = [
@@ -279,6 +280,8 @@ def hooked():
     HookRegistry.reset()
     names = dk.register()
     assert dk.register() == names  # idempotent
+    for patch in (cli_args, prepare_server_args, pool_budget):  # patches.install() installs them
+        patch.install()
     HookRegistry.apply_hooks()
     yield sa_mod
     HookRegistry.reset()
@@ -439,7 +442,7 @@ def test_budget_hook_reprices_an_eagle_draft(monkeypatch, caplog):
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sgl_atom.patches import pool_budget as hook
+    from sgl_atom.spec import draft_kv_pricing as hook
 
     monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(enable_hisparse=False))
     layer = budget.kv_bytes_per_token("bf16", kv_heads=8, head_dim=128)

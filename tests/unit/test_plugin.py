@@ -4,43 +4,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import sys
 from importlib.metadata import entry_points
 
 import pytest
 
 import sgl_atom.patches as patches_pkg
 from sgl_atom import plugin
-
-
-def _owner_and_raw(target: str):
-    owner_path, attr = target.rsplit(".", 1)
-    owner = pkgutil.resolve_name(owner_path)
-    raw = owner.__dict__[attr] if attr in getattr(owner, "__dict__", {}) else getattr(owner, attr)
-    return owner, attr, raw
-
-
-@pytest.fixture
-def fresh_registry(monkeypatch):
-    """A clean HookRegistry and a not-yet-registered plugin; every ledger target of SGLang is
-    restored afterwards (also where HookRegistry propagated a patch into other modules)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    saved = [_owner_and_raw(e.target) for e in patches_pkg.LEDGER]
-    before = [getattr(owner, attr) for owner, attr, _ in saved]
-    HookRegistry.reset()
-    monkeypatch.setattr(plugin, "_registered", None)
-    monkeypatch.setenv("SGL_ATOM_CPU_MODE", "on")
-    yield HookRegistry
-    HookRegistry.reset()
-    for (owner, attr, raw), original in zip(saved, before, strict=True):
-        patched = getattr(owner, attr)
-        setattr(owner, attr, raw)
-        if patched is not original:
-            for mod in list(sys.modules.values()):
-                for name, value in list(getattr(mod, "__dict__", {}).items()):
-                    if value is patched:
-                        setattr(mod, name, original)
 
 
 def test_entry_point_resolves_to_register():
@@ -84,8 +53,8 @@ def test_every_patch_module_has_a_ledger_entry():
 
 
 @pytest.mark.parametrize("entry", patches_pkg.LEDGER, ids=lambda e: e.module.rsplit(".", 1)[1])
-def test_every_patch_wraps_and_keeps_its_original(fresh_registry, entry):
-    owner, attr, _ = _owner_and_raw(entry.target)
+def test_every_patch_wraps_and_keeps_its_original(fresh_registry, resolve_target, entry):
+    owner, attr, _ = resolve_target(entry.target)
     original = getattr(owner, attr)
     plugin.register()
     fresh_registry.apply_hooks()
