@@ -1,7 +1,8 @@
 """Register the ``atom`` P/D transfer backend with SGLang (called from the plugin's register()).
 
 Through SGLang's API: ``add_disagg_transfer_backend_choices`` puts ``atom`` on the CLI. Where
-SGLang has no API, three small patches (see ``sgl_atom.patches.LEDGER``): the closed
+SGLang has no API, three small patches installed by ``sgl_atom.patches.install`` (see
+``sgl_atom.patches.LEDGER``); this module declares the value and classes they answer: the closed
 ``TransferBackend`` Enum answers ``"atom"``, ``get_kv_class`` answers atom's classes, and the
 KV pool behind the transfer buffers is recorded so each rank can describe its live pool.
 """
@@ -27,7 +28,7 @@ def register() -> list[str]:
         add_disagg_transfer_backend_choices,
     )
 
-    from sgl_atom.patches import disagg_backend_enum, disagg_kv_class, disagg_pool_registry
+    from sgl_atom.patches import disagg_backend_enum, disagg_kv_class
 
     if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND])
@@ -41,12 +42,4 @@ def register() -> list[str]:
             "bootstrap_server": _loader("AtomKVBootstrapServer"),
         },
     )
-    disagg_backend_enum.install()
-    disagg_kv_class.install()
-    disagg_pool_registry.install()
-    return [
-        f"disagg_transfer_backend:{BACKEND}",
-        "patch:disagg_backend_enum",
-        "patch:disagg_kv_class",
-        "patch:disagg_pool_registry",
-    ]
+    return [f"disagg_transfer_backend:{BACKEND}"]

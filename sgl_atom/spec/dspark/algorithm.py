@@ -155,10 +155,8 @@ def register() -> str:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from ...patches import pp_spec_compat
     from . import forced_accept
 
     if get_spec(NAME) is None:
         SpeculativeAlgorithm.register(NAME, spec_class=AtomDSparkAlgo)(_worker_factory)
-    pp_spec_compat.install()  # SGLang's PP check knows EAGLE and DSPARK only
     return ", ".join([f"speculative_algorithm:{NAME}", *forced_accept.register()])
