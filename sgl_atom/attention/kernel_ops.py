@@ -75,10 +75,29 @@ def _triton_block(
 def _ref_block(
     q, kc, vc, pt, lens, page_size, sm_scale, num_q, out, k_scale=None, v_scale=None, **_
 ):
-    # non-causal rows: each query row is a decode over all of its sequence's seq_len keys
-    rows, row_lens = pt.repeat_interleave(num_q, 0), lens.repeat_interleave(num_q)
-    ref = reference_decode(q, kc, vc, rows, row_lens, page_size, sm_scale, k_scale, v_scale, F64)
-    return out.copy_(ref)
+    # one padded pass: row b's num_q queries over its own first lens[b] keys (no loop per row)
+    batch, width = lens.shape[0], int(lens.max()) if lens.numel() else 0
+    pos = torch.arange(width, device=q.device)
+    seen = pos[None, :] < lens[:, None].long()  # table entries past a row's length: unread
+    pages = torch.where(seen, pt[:, pos // page_size].long(), 0)
+    slots = pages * page_size + pos % page_size
+    k, v = (_dequant(c, s, slots, seen) for c, s in ((kc, k_scale), (vc, v_scale)))
+    group = q.shape[1] // kc.shape[1]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    qb = q.to(F64).view(batch, num_q, q.shape[1], q.shape[2])
+    scores = torch.einsum("bqhd,bkhd->bhqk", qb, k) * sm_scale
+    scores = scores.masked_fill(~seen[:, None, None, :], -torch.inf)
+    o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    return out.copy_(o.reshape(q.shape))
+
+
+def _dequant(cache, scale, slots, seen):
+    """Rows [batch, width, kv_heads, d] in float64; zeros where unseen (a NaN there would
+    reach the output through 0 * NaN)."""
+    rows = cache[slots].to(F64)
+    if scale is not None:
+        rows = rows * scale[slots].to(F64)[..., None]
+    return rows.masked_fill(~seen[:, :, None, None], 0.0)
 
 
 def _ref_extend(
