@@ -359,7 +359,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "sglang.srt.arg_groups.resolution_hooks._HOOKS",
         "module global",
-        "sgl_atom.spec.draft_kv_resolution (install)",
+        "sgl_atom.spec.draft_kv_resolution (install), sgl_atom.spec.dspark.forced_accept",
         "register_resolution_hook appends every call; the registry is read to register once",
     ),
     PrivateName(
