@@ -144,11 +144,13 @@ class SparseConfig:
 
 @dataclass
 class IndexCache:
-    """Per sparse layer: index keys ``[slots, index_dim]`` (bf16 or fp8 + ``[slots]`` scales).
+    """Per index-writing sparse layer: index keys ``[slots, index_dim]`` (bf16, or fp8 with
+    ``[slots]`` fp32 scales).
 
-    ``writers``: the sparse layers that write index keys (score their own top-k); with
-    ``use_index_cache`` the others reuse a selection and their buffers stay unwritten. The P/D
-    transfer backend moves the writers' buffers (:mod:`sgl_atom.disagg.pool_regions`).
+    ``writers``: the sparse layers that write index keys (score their own top-k). With
+    ``use_index_cache`` the others reuse an earlier layer's selection and never read or write
+    index keys, so they hold no buffer. The P/D transfer backend moves the writers' buffers
+    (:mod:`sgl_atom.disagg.pool_regions`).
     """
 
     keys: dict[int, torch.Tensor]
@@ -164,24 +166,29 @@ class IndexCache:
         slots = pool.get_key_buffer(start).shape[0]
         device = pool.get_key_buffer(start).device
         held = [lid for lid in cfg.sparse_layer_ids if start <= lid < start + pool.layer_num]
+        writers = tuple(lid for lid in held if cfg.scores(lid))
         fp8 = dtype == torch.float8_e4m3fn
-        keys = {lid: torch.zeros(slots, cfg.index_dim, dtype=dtype, device=device) for lid in held}
+        keys = {
+            lid: torch.zeros(slots, cfg.index_dim, dtype=dtype, device=device) for lid in writers
+        }
         scales = {
             lid: torch.ones(slots, dtype=torch.float32, device=device) if fp8 else None
-            for lid in held
+            for lid in writers
         }
-        cache = cls(keys, scales, tuple(lid for lid in held if cfg.scores(lid)))
+        cache = cls(keys, scales, writers)
         setattr(pool, _INDEX_ATTR, cache)
-        nbytes = sum(t.numel() * t.element_size() for t in keys.values())
+        nbytes = sum(t.numel() * t.element_size() for t in (*keys.values(), *scales.values())
+                     if t is not None)  # fmt: skip
         logger.info(
-            "sparse index cache: %d layers x [%d slots, %d] %s = %.2f MB; layers %s write "
-            "index keys",
+            "sparse index cache: %d of %d sparse layers write index keys (%s), [%d slots, %d] "
+            "%s each = %.2f MB; the others reuse a selection and hold none",
+            len(writers),
             len(held),
+            list(writers),
             slots,
             cfg.index_dim,
             str(dtype).replace("torch.", ""),
             nbytes / 2**20,
-            list(cache.writers),
         )
         return cache
 
