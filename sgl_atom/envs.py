@@ -99,6 +99,18 @@ SGL_ATOM_PD_WRITE_DELAY_MS = EnvVar(
     "atom P/D transfer backend, fault-injection tests only: the producer sleeps this many ms "
     "before each chunk's writes (0: off).",
 )
+SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
+    "SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS",
+    1000,
+    "atom P/D transfer backend, decode side: how often each prefill rank it transfers from is "
+    "asked, on the transfer session's control socket, whether it is alive (0: no heartbeat).",
+)
+SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS = EnvVar(
+    "SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS",
+    4000,
+    "atom P/D transfer backend, decode side: a prefill rank silent this long is lost; its "
+    "in-flight requests fail and the next request to it bootstraps again.",
+)
 SGL_ATOM_REQUEST_CHECKS = EnvVar(
     "SGL_ATOM_REQUEST_CHECKS",
     True,
@@ -119,5 +131,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_DSPARK_FAULT,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
+    SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS,
+    SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS,
     SGL_ATOM_REQUEST_CHECKS,
 )

@@ -16,6 +16,9 @@ atom's own:
   and metadata row). Once all decode ranks the room needs have asked, each KV chunk the prefill
   computes is written through NIXL span by span (head cuts included), bounds-checked against the
   peer's declared buffers, then the room's outcome goes back on SGLang's status channel.
+- Each decode rank asks every prefill rank it shook hands with whether it is alive, on the same
+  control sockets, listing the rooms it holds (:mod:`sgl_atom.disagg.heartbeat`): a silent
+  prefill fails its rooms at the decode, a room no live decode holds fails at the prefill.
 
 Control frames travel on SGLang's per-rank ZMQ sockets as ``[b"ATOM", frame]``; the frame is
 the strict, pickle-free format of :mod:`sgl_atom.disagg.wire`. Addresses all come from the
@@ -52,6 +55,7 @@ from sgl_atom.disagg import wire
 from sgl_atom.disagg.bind import control_plane_address
 from sgl_atom.disagg.draft_registry import draft_pool
 from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
+from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError, heads_of_rank
@@ -60,7 +64,6 @@ from sgl_atom.patches.disagg_pool_registry import pool_for
 
 logger = get_logger("sgl_atom.disagg")
 
-TAG = b"ATOM"
 BACKEND = "atom"
 
 
@@ -170,7 +173,7 @@ def region_counts(export: PoolExport) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in counts.items())
 
 
-class AtomKVManager(CommonKVManager):
+class AtomKVManager(SessionHeartbeat, CommonKVManager):
     """One rank's side of the atom backend (prefill: producer, decode: consumer)."""
 
     kv_status_msg_tag = b"ATOM_STATUS"
@@ -236,6 +239,7 @@ class AtomKVManager(CommonKVManager):
         else:
             self._start_thread(self._consumer_loop, "atom-pd-status")
             self._start_heartbeat_checker_thread()
+            self._start_session_heartbeat(consumer=True)
 
     def _describe_pool(self, args: KVArgs) -> PoolExport:
         if getattr(args, "num_draft_entries", 0):
@@ -315,6 +319,8 @@ class AtomKVManager(CommonKVManager):
         self.queue = FastQueue()
         self._start_thread(self._producer_control_loop, "atom-pd-control")
         self._start_thread(self._producer_worker_loop, "atom-pd-worker")
+        self.sender_rooms = set()
+        self._start_session_heartbeat(consumer=False)
 
     def _producer_control_loop(self) -> None:
         while True:
@@ -334,6 +340,8 @@ class AtomKVManager(CommonKVManager):
             self._on_handshake(m)
         elif isinstance(m, wire.TransferRequest):
             self._on_request(m)
+        elif isinstance(m, wire.Heartbeat) and not m.reply:
+            self._on_heartbeat(m)
         else:
             logger.warning("atom P/D: a consumer sent a %s; ignored", type(m).__name__)
 
@@ -537,6 +545,9 @@ class AtomKVManager(CommonKVManager):
             msg = self.server_socket.recv_multipart()
             if self.handle_abort_ack_message(msg):
                 continue
+            if len(msg) == 2 and msg[0] == TAG:
+                self._on_heartbeat_answer(msg[1])
+                continue
             parsed = self.parse_kv_status_message(msg)
             if parsed is None:
                 logger.warning("atom P/D: unexpected status message %r", msg[0][:20])
@@ -600,7 +611,19 @@ class AtomKVManager(CommonKVManager):
 
 
 class AtomKVSender(CommonKVSender):
-    """SGLang's common sender; chunks reach :meth:`AtomKVManager.add_transfer_request`."""
+    """SGLang's common sender; chunks reach :meth:`AtomKVManager.add_transfer_request`. Its
+    room is in the manager's ``sender_rooms`` while it lives (the heartbeat answers say which
+    rooms a decode holds have no request here)."""
+
+    def __init__(self, mgr: AtomKVManager, *args: Any, **kwargs: Any):
+        super().__init__(mgr, *args, **kwargs)
+        if mgr.sender_rooms is not None:
+            mgr.sender_rooms.add(self.bootstrap_room)
+
+    def clear(self) -> None:
+        if self.kv_mgr.sender_rooms is not None:
+            self.kv_mgr.sender_rooms.discard(self.bootstrap_room)
+        super().clear()
 
 
 class AtomKVReceiver(CommonKVReceiver):

@@ -29,7 +29,7 @@ from typing import Any
 from sgl_atom.disagg.regions import RegionDesc, RegionKind
 
 MAGIC = b"SAPD"
-VERSION = 2  # 2: Handshake.region_devices
+VERSION = 3  # 2: Handshake.region_devices; 3: Heartbeat
 HEADER = struct.Struct("!4sBBHI")
 MAX_BODY = 16 << 20
 MAX_INBOUND_FRAME = MAX_BODY + HEADER.size  # the control socket's ZMQ_MAXMSGSIZE
@@ -39,6 +39,7 @@ MAX_AGENT_METADATA = 1 << 20
 MAX_NAME = 256
 MAX_AUX = 64
 MAX_ERROR = 1024
+MAX_ROOMS = 1 << 16
 U64 = (1 << 64) - 1
 
 
@@ -109,8 +110,26 @@ class TransferStatus:
         return cls(room, "failed", error[:MAX_ERROR])
 
 
-Message = Handshake | TransferRequest | TransferStatus
-TYPE_CODES: dict[type, int] = {Handshake: 1, TransferRequest: 2, TransferStatus: 3}
+@dataclass(frozen=True)
+class Heartbeat:
+    """A consumer's liveness probe of a producer rank (reply False) and the answer (reply True).
+
+    agent_name: the consumer's transfer agent (its handshake; the producer answers only agents
+    it knows, at their status endpoint). endpoint: the producer's control socket as the consumer
+    dialled it (``host:port``), echoed in the answer so the consumer knows which rank answered.
+    rooms: in a probe, the bootstrap rooms the consumer holds for that producer, so a producer
+    can fail the rooms no live consumer holds any more; in an answer, those of them the producer
+    has no request for, so the consumer can fail a room whose request never reached it.
+    """
+
+    agent_name: str
+    endpoint: str
+    reply: bool = False
+    rooms: tuple[int, ...] = ()
+
+
+Message = Handshake | TransferRequest | TransferStatus | Heartbeat
+TYPE_CODES: dict[type, int] = {Handshake: 1, TransferRequest: 2, TransferStatus: 3, Heartbeat: 4}
 _BY_CODE = {code: cls for cls, code in TYPE_CODES.items()}
 
 
@@ -310,6 +329,12 @@ _FIELDS: dict[type, dict[str, Check]] = {
         "status": _str(8, ("done", "failed")),
         "error": _str(MAX_ERROR),
     },
+    Heartbeat: {
+        "agent_name": _str(MAX_NAME),
+        "endpoint": _str(MAX_NAME),
+        "reply": _bool,
+        "rooms": _list(_int(0, U64), MAX_ROOMS),
+    },
 }
 
 
@@ -410,4 +435,10 @@ _TO_JSON: dict[type, Callable[[Any], dict[str, Any]]] = {
         "peers": m.peers,
     },
     TransferStatus: lambda m: {"room": m.room, "status": m.status, "error": m.error},
+    Heartbeat: lambda m: {
+        "agent_name": m.agent_name,
+        "endpoint": m.endpoint,
+        "reply": m.reply,
+        "rooms": list(m.rooms),
+    },
 }
