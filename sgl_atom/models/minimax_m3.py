@@ -4,9 +4,9 @@ Registered under ``MiniMaxM3SparseForCausalLM`` (the checkpoint's ``architecture
 ``SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models`` this class is loaded instead of SGLang's. It
 needs ``--attention-backend atom``: dense layers attend through ``RadixAttention``, sparse layers
 (``sparse_attention_freq[i] != 0``) through the atom backend's ``forward_sparse``. The
-modelling follows :mod:`sgl_atom.models.m3_reference` (its docstring cites the SGLang lines
-mirrored): pre-norm residual stream with Gemma RMSNorms, per-head q/k (and index q/k) norms
-before NeoX RoPE on the first ``rotary_dim`` channels, index value disabled.
+modelling follows the float64 reference ``tools/m3_reference.py`` (its docstring cites the
+SGLang lines mirrored): pre-norm residual stream with Gemma RMSNorms, per-head q/k (and index
+q/k) norms before NeoX RoPE on the first ``rotary_dim`` channels, index value disabled.
 
 MoE: the routed experts are SGLang's ``FusedMoE`` (the fused Triton MoE on GPU; on a CPU without
 AMX/sgl_kernel its native per-expert path, which matches a plain torch loop within bf16: max

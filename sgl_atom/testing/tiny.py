@@ -419,7 +419,7 @@ def _asset(out: Path, vocab: int, spec: dict) -> None:
 
 
 # The "llama" architecture trained as a language model of a sparse order-2 word chain
-# (sgl_atom/spec/dspark/train_target.py; figures in its train_target.json): its greedy
+# (tools/dspark_training/train_target.py; figures in its train_target.json): its greedy
 # continuation of any word prompt follows the chain, so a DSpark draft can predict it.
 KINDS["llama-chain"] = (
     dict(

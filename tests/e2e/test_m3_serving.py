@@ -22,8 +22,8 @@ import pytest
 import torch
 from e2e_utils import greedy_from_ids, teacher_forced_logprobs, word_prompts
 
+from m3_reference import M3Reference
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.models.m3_reference import M3Reference
 from sgl_atom.testing import tiny
 from sgl_atom.testing.server import Server, ServerStartError
 

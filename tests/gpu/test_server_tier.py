@@ -204,7 +204,7 @@ def test_m3_tiny_matches_float64_reference(gpu_servers, report):
     from test_m3_serving import ARGS, BULK_FRACTION, ENV, PROMPT_TOKENS, TOL_BULK, TOL_MAX
     from transformers import AutoTokenizer
 
-    from sgl_atom.models.m3_reference import M3Reference
+    from m3_reference import M3Reference
 
     model = tiny.build(cache_dir() / "tiny" / "m3", "m3")
     tok = AutoTokenizer.from_pretrained(model)

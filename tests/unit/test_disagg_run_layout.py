@@ -23,12 +23,12 @@ from sgl_atom.kernels.kv_transfer import (
     reference_unpack_heads,
 )
 
+from dspark_training import distill
+from dspark_training.anchors import accept_walk
+from dspark_training.llama_target import LlamaTarget
 from sgl_atom.disagg import HandshakeError, RegionDesc, build_rank_regions, plan_transfer
-from sgl_atom.spec.dspark import distill
 from sgl_atom.spec.dspark import reference as ref
 from sgl_atom.spec.dspark.accept import SpecStats
-from sgl_atom.spec.dspark.anchors import accept_walk
-from sgl_atom.spec.dspark.llama_target import LlamaTarget
 from sgl_atom.spec.dspark.markov import markov_refine
 from sgl_atom.testing import ASSETS, DSPARK_CHAIN
 

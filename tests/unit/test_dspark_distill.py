@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import sgl_atom.testing
+from dspark_training import anchors, distill, train_target
+from dspark_training.llama_target import LlamaTarget
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark import anchors, distill, train_target
 from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.llama_target import LlamaTarget
 from sgl_atom.testing import tiny
 
 ASSETS = Path(sgl_atom.testing.__file__).parent / "assets"

@@ -10,9 +10,9 @@ import json
 import pytest
 from safetensors import safe_open
 
+from dspark_training import distill, train_target
+from dspark_training.m3_target import M3Target
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark import distill, train_target
-from sgl_atom.spec.dspark.m3_target import M3Target
 from sgl_atom.testing import ASSETS, DSPARK_M3_CHAIN, tiny
 
 M3_CHAIN = ASSETS / "m3-chain-target"

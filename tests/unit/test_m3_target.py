@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark_training.llama_target import LlamaTarget
+from dspark_training.m3_target import M3Target, load_target_model
+from m3_reference import M3Reference
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.models.m3_reference import M3Reference
-from sgl_atom.spec.dspark.llama_target import LlamaTarget
-from sgl_atom.spec.dspark.m3_target import M3Target, load_target_model
 from sgl_atom.testing import tiny
 
 LENGTHS = (1, 37, 130, 256)  # 256 = 2 blocks of 128 = the tiny m3's topk_blocks * 128

@@ -122,7 +122,7 @@ def prompt(ckpt):
 
 
 def test_reference_sparse_equals_dense_when_topk_covers_every_block(ckpt, prompt):
-    from sgl_atom.models.m3_reference import M3Reference
+    from m3_reference import M3Reference
 
     wide = M3Reference.load(ckpt, topk_blocks=3)
     trace: dict = {}
@@ -133,7 +133,7 @@ def test_reference_sparse_equals_dense_when_topk_covers_every_block(ckpt, prompt
 
 
 def test_reference_topk2_skips_blocks(ckpt, prompt):
-    from sgl_atom.models.m3_reference import M3Reference
+    from m3_reference import M3Reference
 
     ref = M3Reference.load(ckpt)
     trace: dict = {}
@@ -147,7 +147,7 @@ def test_reference_topk2_skips_blocks(ckpt, prompt):
 
 
 def test_reference_scores_pick_free_blocks_and_reused_layers_share(ckpt, prompt):
-    from sgl_atom.models.m3_reference import M3Reference
+    from m3_reference import M3Reference
 
     ref = M3Reference.load(ckpt, init_blocks=0)  # one free slot: the scores decide
     trace: dict = {}

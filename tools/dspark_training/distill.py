@@ -1,17 +1,18 @@
 """Distil a DSpark draft from its target's own greedy outputs, and measure it speculatively.
 
-    python -m sgl_atom.spec.dspark.distill --target DIR --draft DIR --out DIR \\
+    PYTHONPATH=tools python -m dspark_training.distill --target DIR --draft DIR --out DIR \\
         [--device cuda --train-prompts N --max-seconds S --seed S ...]
-    python -m sgl_atom.spec.dspark.distill --target DIR --draft DIR --out DIR --eval-only
+    PYTHONPATH=tools python -m dspark_training.distill --target DIR --draft DIR --out DIR \\
+        --eval-only
 
 Training data: seed-fixed prompts (mostly random words of the tiny tokenizer's vocabulary,
 like the e2e tests' ``word_prompts``, the rest from the tiny builder's sentence corpus) and the
 target's greedy continuations of them, decoded in batch by the pure-torch target
-(:mod:`sgl_atom.spec.dspark.llama_target`, any device, no ``transformers`` needed). A training
+(:mod:`dspark_training.llama_target`, any device, no ``transformers`` needed). A training
 example is an anchor position n among the generated tokens: context = taps of positions
 0..n-1, block input = [token n, MASK x (k-1)], labels = tokens n+1..n+k (the target's greedy
 choices). Every step draws a batch of sequences, runs the target once over them for the taps
-and the draft at every anchor of every sequence at once (:mod:`sgl_atom.spec.dspark.anchors`).
+and the draft at every anchor of every sequence at once (:mod:`dspark_training.anchors`).
 The loss is the cross-entropy of the Markov-refined logits with the previous TRUE token fed to
 the Markov head (``logits_j = U_j + W1[y_{j-1}] W2^T``, ``y_{-1}`` = the anchor): the token at
 block position j is accepted only when the j before it were, and then the refinement walked
@@ -22,7 +23,7 @@ embedding and LM head stay frozen. The forward is the reference one
 Measurement, on prompts disjoint from training: :func:`evaluate` runs the step-by-step
 speculative loop (draft proposes k tokens, the transformers target verifies them greedily),
 checks that its output equals plain greedy decoding, and reports tokens per forward;
-:func:`sgl_atom.spec.dspark.anchors.simulate_speculative` gives the same counters for hundreds
+:func:`dspark_training.anchors.simulate_speculative` gives the same counters for hundreds
 of prompts at once (used during training and for the spread). ``tap_shift=-1`` reads the taps
 one target layer too early, a corrupted context K/V write, under which acceptance collapses.
 """
@@ -45,16 +46,18 @@ import torch
 
 from sgl_atom.spec.dspark import reference as ref
 from sgl_atom.spec.dspark.accept import SpecStats, greedy_accept
-from sgl_atom.spec.dspark.anchors import speculative_counts, teacher_forced_loss
 from sgl_atom.spec.dspark.config import DSparkDraftConfig
-from sgl_atom.spec.dspark.llama_target import LlamaTarget
-from sgl_atom.spec.dspark.m3_target import TorchTarget, load_target_model
 from sgl_atom.spec.dspark.weights import check_draft_weights
+
+from .anchors import speculative_counts, teacher_forced_loss
+from .llama_target import LlamaTarget
+from .m3_target import TorchTarget, load_target_model
 
 TRAIN_PROMPT_SEED = 7  # training sentences: tiny._corpus(n, seed=TRAIN_PROMPT_SEED + --seed)
 TRAIN_WORD_SEED = 900_001  # training word prompts: word_prompts(n, TRAIN_WORD_SEED + --seed)
 HELD_OUT_SEED = 4242  # evaluation prompts: other streams of the same generators
 WEIGHTS_FILE = "model.safetensors"
+COMMAND = "PYTHONPATH=tools python -m dspark_training.distill"  # recorded in distill.json
 _NOT_COPIED = {WEIGHTS_FILE, "distill.json", ".sgl_atom_tiny.json"}
 
 
@@ -522,7 +525,7 @@ def _eval_only(args) -> int:
     cfg, w = load_draft(args.out)
     info["batched"] = batched_figures(target, cfg, w, info, args.batched_eval_prompts)
     info["held_out"] = reference_figures(args.target, args.draft, args.out, args.eval_prompts)
-    info["eval_command"] = "python -m sgl_atom.spec.dspark.distill " + shlex.join(args.argv)
+    info["eval_command"] = f"{COMMAND} " + shlex.join(args.argv)
     info["eval_seconds"] = round(time.time() - t0, 1)
     path.write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps({"held_out": info["held_out"], "batched": info["batched"]}, indent=2))
@@ -613,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     info = {
-        "command": "python -m sgl_atom.spec.dspark.distill " + shlex.join(args.argv),
+        "command": f"{COMMAND} " + shlex.join(args.argv),
         "seed": args.seed,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

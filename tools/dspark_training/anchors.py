@@ -161,7 +161,7 @@ def accept_walk(
 
     ``draft[a]`` is the block proposed at anchor ``prompt_len + a``; ``seq`` is prompt + the
     target's greedy continuation (at least ``max_new + k`` tokens of it). Mirrors
-    :func:`sgl_atom.spec.dspark.distill.speculative_greedy`: the first greedy token is the
+    :func:`dspark_training.distill.speculative_greedy`: the first greedy token is the
     first anchor; each step accepts the longest matching prefix and commits one more token.
     """
     if len(seq) < prompt_len + max_new + k:
@@ -193,9 +193,9 @@ def speculative_counts(
 ) -> list[list[int]]:
     """Accepted counts per step of the greedy speculative loop, one list per sequence.
 
-    ``target`` is a :class:`~sgl_atom.spec.dspark.llama_target.LlamaTarget`; each sequence is
+    ``target`` is a :class:`~dspark_training.llama_target.LlamaTarget`; each sequence is
     prompt + at least ``max_new + k`` greedy tokens. Gives the counters
-    :func:`sgl_atom.spec.dspark.distill.evaluate` would (taps of committed positions do not
+    :func:`dspark_training.distill.evaluate` would (taps of committed positions do not
     depend on what follows them), up to float rounding in near ties; every draft pass of
     ``batch`` sequences runs in one batched forward.
     """

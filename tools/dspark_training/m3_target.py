@@ -1,9 +1,9 @@
 """A pure-torch MiniMax-M3-style target for distillation: batched greedy decoding and taps.
 
-Same interface as :class:`~sgl_atom.spec.dspark.llama_target.LlamaTarget` (``embed``,
+Same interface as :class:`~dspark_training.llama_target.LlamaTarget` (``embed``,
 ``lm_head``, ``_layer``, ``_norm``, ``forward``, ``greedy``, ``greedy_sequences``, ``encode``,
 ``encode_batch``, ``num_layers``, ``hidden``, ``device``), so the target trainer and the DSpark
-distiller can drive either. The math is :class:`~sgl_atom.models.m3_reference.M3Reference`'s
+distiller can drive either. The math is :class:`~m3_reference.M3Reference`'s
 (whose ``gemma_rms_norm``, ``rope_neox`` and ``route`` it reuses), batched over right-padded
 rows: Gemma RMSNorms, per-head q/k norms before NeoX RoPE on the first ``rotary_dim`` channels,
 scale ``head_dim ** -0.5``, GQA, a SiLU-and-mul MLP on layers with ``moe_layer_freq[i] == 0``
@@ -34,11 +34,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from sgl_atom.attention.sparse import SparseConfig
 from sgl_atom.kernels.sparse_attention import SPARSE_BLOCK
-from sgl_atom.models.m3_reference import gemma_rms_norm, rope_neox, route
-from sgl_atom.spec.dspark.llama_target import LlamaTarget, cached_attention, load_tokenizer
+
+from m3_reference import gemma_rms_norm, rope_neox, route
+from sgl_atom.attention.sparse import SparseConfig
+
+from .llama_target import LlamaTarget, cached_attention, load_tokenizer
 
 M3_MODEL_TYPE = "minimax_m2"  # what MiniMaxM3SparseForCausalLM checkpoints declare
 M3_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"

@@ -45,8 +45,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from sgl_atom.attention.sparse import SparseConfig
 from sgl_atom.kernels.sparse_attention.index_reuse import should_score
 from sgl_atom.kernels.sparse_attention.reference import (
     reference_block_scores,
@@ -54,6 +52,8 @@ from sgl_atom.kernels.sparse_attention.reference import (
     reference_select_blocks,
     reference_sparse_attention,
 )
+
+from sgl_atom.attention.sparse import SparseConfig
 
 
 @dataclass

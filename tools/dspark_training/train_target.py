@@ -1,6 +1,6 @@
 """Train a predictable tiny target (Llama or M3): a language model of a sparse order-2 word chain.
 
-    python -m sgl_atom.spec.dspark.train_target --base DIR --out DIR \\
+    PYTHONPATH=tools python -m dspark_training.train_target --base DIR --out DIR \\
         [--device cuda --max-seconds S --seed S ...]
 
 The language (:class:`WordChain`, fixed by ``--chain-seed``) is over the tiny tokenizer's word
@@ -16,9 +16,9 @@ A training sequence is a random-word prefix (2-48 words drawn uniformly, like th
 ``word_prompts``) followed by a chain continuation seeded by the prefix's last two words; the
 loss covers the continuation only, so after ANY prompt the model continues the chain. The
 model is ``--base``'s architecture (config and tokenizer copied from it): a llama config starts
-from a seeded init and runs :class:`~sgl_atom.spec.dspark.llama_target.LlamaTarget`'s layers; an
+from a seeded init and runs :class:`~dspark_training.llama_target.LlamaTarget`'s layers; an
 M3 config starts from ``--base``'s weights and runs
-:class:`~sgl_atom.spec.dspark.m3_target.M3Target`'s (dense attention, so ``--seq-len`` may not
+:class:`~dspark_training.m3_target.M3Target`'s (dense attention, so ``--seq-len`` may not
 pass its ``dense_exact_tokens``). Trained with
 AdamW (bf16 autocast on CUDA) under a warm-up then cosine schedule capped by steps or
 ``--max-seconds``, and saved as float16 safetensors with ``train_target.json`` (seed, command,
@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sgl_atom.spec.dspark.llama_target import LlamaTarget
-from sgl_atom.spec.dspark.m3_target import M3_MODEL_TYPE, M3Target, TorchTarget, load_target_model
+from .llama_target import LlamaTarget
+from .m3_target import M3_MODEL_TYPE, M3Target, TorchTarget, load_target_model
 
 NUM_CLASSES = 4
 SUCCESSOR_PROBS = {1: (1.0,), 2: (0.7, 0.3), 3: (0.6, 0.25, 0.15)}
@@ -374,11 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     save_fp16({names[k]: v for k, v in w.items()}, args.out)
     # the saved float16 weights, read back in float32 as distillation and the tests read them
     saved = load_target_model(args.out, dev)
-    from sgl_atom.spec.dspark.distill import held_out_word_prompts
+    from .distill import held_out_word_prompts
 
     follow = greedy_follow(saved, chain, held_out_word_prompts(args.greedy_prompts), 48)
     info = {
-        "command": "python -m sgl_atom.spec.dspark.train_target " + shlex.join(argv),
+        "command": "PYTHONPATH=tools python -m dspark_training.train_target " + shlex.join(argv),
         "seed": args.seed,
         "chain_seed": args.chain_seed,
         "chain": {
