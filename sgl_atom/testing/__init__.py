@@ -3,8 +3,6 @@
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
-# The DSpark draft distilled against the random tiny llama target (see its distill.json).
-DSPARK_DISTILLED = ASSETS / "dspark-llama-distilled"
 # The DSpark draft distilled against the llama-chain target (tiny kind "llama-chain").
 DSPARK_CHAIN = ASSETS / "dspark-llama-chain"
 # The DSpark draft distilled against the m3-chain target (tiny kind "m3-chain").

@@ -16,7 +16,7 @@ from sgl_atom.spec.dspark import reference as ref
 from sgl_atom.spec.dspark.markov import markov_refine
 from sgl_atom.spec.dspark.pool import DraftKVPool, block_page_table
 from sgl_atom.spec.dspark.weights import init_draft_weights
-from sgl_atom.testing import DSPARK_DISTILLED
+from sgl_atom.testing import DSPARK_CHAIN
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))  # the kernel tests' helpers
 from helpers import assert_close_rel, poison_  # noqa: E402
@@ -24,7 +24,7 @@ from helpers import assert_close_rel, poison_  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model():
-    raw = json.loads((DSPARK_DISTILLED / "config.json").read_text())
+    raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
     m = AtomDSparkDraftModel(raw)
     w = init_draft_weights(m.dspark, seed=3, init_range=0.05, dtype=torch.float64)
     m.load_weights(w.items())
@@ -35,7 +35,7 @@ def test_load_refuses_missing_and_unexpected_tensors(model):
     w = dict(model.w)
     w.pop("norm.weight")
     w["extra.weight"] = torch.zeros(1)
-    fresh = AtomDSparkDraftModel(json.loads((DSPARK_DISTILLED / "config.json").read_text()))
+    fresh = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
     match = r"missing \['norm.weight'\].*unexpected \['extra.weight'\]"
     with pytest.raises(ValueError, match=match):
         fresh.load_weights(w.items())
@@ -120,7 +120,7 @@ TOL = {"bf16": 1.5e-2, "fp8": 4e-2}  # measured: 7-8e-3 and 1.1-1.9e-2
 @pytest.fixture
 def served(model):
     """The draft at bf16 (the served dtype), the float64 oracle's weights beside it."""
-    m = AtomDSparkDraftModel(json.loads((DSPARK_DISTILLED / "config.json").read_text()))
+    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
     m.load_weights(model.w.items())
     return m.place("cpu", torch.bfloat16)
 
