@@ -26,6 +26,7 @@ from ..kernels.paged_attention import (
 from ..log import get_logger
 from .kernel_ops import kernel_ops
 from .kv_scales import scales_for_pool
+from .m3_index_pool import atom_index_dtype
 from .sparse import SparseAttention, SparseConfig
 
 logger = get_logger("sgl_atom.attention")
@@ -123,8 +124,7 @@ class AtomAttnBackend(AttentionBackend):
         sparse_cfg = SparseConfig.from_hf(hf, total_kv, self.head_dim) if hf else None
         if sparse_cfg is None:
             return None
-        index_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
-        return SparseAttention(self, sparse_cfg, index_dtype)
+        return SparseAttention(self, sparse_cfg, atom_index_dtype(self.fp8))
 
     def forward_sparse(self, q, k, v, index_q, index_k, layer, forward_batch, save_kv_cache=True):
         """A MiniMax-M3-style sparse layer (see :mod:`sgl_atom.attention.sparse`)."""

@@ -180,9 +180,8 @@ class IndexCache:
         nbytes = sum(t.numel() * t.element_size() for t in (*keys.values(), *scales.values())
                      if t is not None)  # fmt: skip
         logger.info(
-            "sparse index cache: %d of %d sparse layers write index keys (%s), [%d slots, %d] "
-            "%s each = %.2f MB; the others reuse a selection and hold none",
-            len(writers),
+            "sparse index cache: %d layers, layers %s write index keys: [%d slots, %d] %s each "
+            "= %.2f MB (the others reuse a selection and hold none)",
             len(held),
             list(writers),
             slots,

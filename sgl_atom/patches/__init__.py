@@ -297,6 +297,40 @@ LEDGER: tuple[LedgerEntry, ...] = (
         ),
     ),
     LedgerEntry(
+        module="sgl_atom.patches.m3_index_pool_build",
+        target=(
+            "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+            "_build_minimax_sparse_kv_pool"
+        ),
+        why=(
+            "SGLang builds a MiniMax-M3 pool with index-key pools that only its own MiniMax "
+            "sparse backend reads. For sgl_atom's M3 model on the atom backend (which keeps its "
+            "own index cache) the AROUND hook marks the build (a context variable) so that "
+            "m3_index_pool leaves those pools out; the pool budget prices the atom index cache "
+            "in their place (attention/m3_index_pool.price_atom_index_cache)."
+        ),
+        upstream=(
+            "sglang 0.5.23 srt/mem_cache/kv_cache_configurator.py _build_minimax_sparse_kv_pool"
+        ),
+        remove_when="SGLang lets an attention backend that keeps its own index cache opt out of "
+        "the M3 index pools (and their budget)",
+        upstream_change="none filed: an opt-out of MiniMaxSparseKVPool's index pools",
+        tests=("tests/unit/test_m3_index_pool.py", "tests/e2e/test_m3_serving.py"),
+    ),
+    LedgerEntry(
+        module="sgl_atom.patches.m3_index_pool",
+        target="sglang.srt.mem_cache.memory_pool.MiniMaxSparseKVPool.__init__",
+        why=(
+            "Inside a build m3_index_pool_build marked, the pool gets index pool classes that "
+            "allocate nothing (index_k_pool/index_kv_pool None, which SGLang already handles), "
+            "so an M3 model served on atom holds one index cache, not two."
+        ),
+        upstream="sglang 0.5.23 srt/mem_cache/memory_pool.py MiniMaxSparseKVPool",
+        remove_when="as m3_index_pool_build",
+        upstream_change="none filed: an opt-out of MiniMaxSparseKVPool's index pools",
+        tests=("tests/unit/test_m3_index_pool.py", "tests/e2e/test_m3_serving.py"),
+    ),
+    LedgerEntry(
         module="sgl_atom.patches.request_checks",
         target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         why=(

@@ -9,7 +9,10 @@ this order, each leaving the configurator alone when it does not apply:
 2. an EAGLE/STANDALONE draft's KV pool is priced at the draft's own dtype, not the target's
    (:func:`sgl_atom.spec.draft_kv_pricing.reprice_draft`);
 3. the ATOM_DSPARK draft's own pool (which SGLang does not know about) is priced at the settled
-   draft dtype (:func:`sgl_atom.spec.draft_kv_pricing.price_atom_dspark_draft`).
+   draft dtype (:func:`sgl_atom.spec.draft_kv_pricing.price_atom_dspark_draft`);
+4. an M3 model served on the atom backend: its index cache in place of SGLang's index-key
+   pools, which are not allocated
+   (:func:`sgl_atom.attention.m3_index_pool.price_atom_index_cache`).
 
 Ledger: ``sgl_atom.patches.LEDGER``.
 """
@@ -26,9 +29,11 @@ TARGET = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configu
 def price_sgl_atom_pools(configurator: Any, kvc: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook: each pricing adjusts the configurator in place (the result is unchanged)."""
     from ..attention.kv_scales import add_atom_fp8_scales
+    from ..attention.m3_index_pool import price_atom_index_cache
     from ..spec.draft_kv_pricing import price_atom_dspark_draft, reprice_draft
 
-    for price in (add_atom_fp8_scales, reprice_draft, price_atom_dspark_draft):
+    prices = (add_atom_fp8_scales, reprice_draft, price_atom_dspark_draft, price_atom_index_cache)
+    for price in prices:
         price(configurator, kvc, *args, **kwargs)
 
 

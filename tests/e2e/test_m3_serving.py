@@ -132,6 +132,11 @@ def test_sparse_layers_skip_blocks(served, model, report):
     log = served[1].log_text()
     assert "MiniMaxHybridAttnBackend wrapper is not used" in log  # patches/m3_atom_unwrapped
     assert "[MiniMaxSparse] Backend initialized" not in log
+    # one index cache (patches/m3_index_pool*): SGLang's index pools are not built, and the
+    # budget prices the atom cache (layers 1 and 3 score: 2 x 128 bf16) for SGLang's 3 x 128
+    assert "SGLang's index-key pools are not allocated" in log
+    budget = re.search(r"M3 index keys: per-token budget (\d+) -> (\d+) bytes", log)
+    assert budget and int(budget[1]) - int(budget[2]) == 3 * 128 * 2 - 2 * 128 * 2, budget
     attended, visible, skipped = _skip_counts(served[1])
     report(f"m3 sparse layers: {attended} of {visible} visible blocks attended, {skipped} skipped")
     assert skipped > 0 and attended + skipped == visible
