@@ -24,4 +24,4 @@ test-e2e: setup
 	@$(PY) -m pytest tests/e2e -q -rs $(PYTEST_ARGS)
 
 lint: setup
-	@$(PY) -m ruff check sgl_atom kernels tests benchmarks
+	@$(PY) -m ruff check sgl_atom kernels tests benchmarks tools
