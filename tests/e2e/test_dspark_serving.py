@@ -65,25 +65,53 @@ def baseline(servers, chain_target):
 
 # "fp8-tp2": the target at TP2 (its embedding and LM head gathered for the draft, which runs
 # whole on both ranks and proposes the same tokens on each)
-@pytest.fixture(scope="module", params=["bf16", "fp8", "fp8-tp2"])
-def spec_run(request, servers, chain_target, baseline):
-    dtype, _, tp = request.param.partition("-tp")
-    args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1"]
-    srv = servers.start(chain_target, args, env=MODELS_ENV, name=f"dspark-{request.param}")
-    before = _metrics(srv)
-    ids, tpf = _run(srv)
-    after = _metrics(srv)
-    _flush_cache(srv)  # a second run of the same prompts that re-drafts every token
-    again, tpf_again = _run(srv)
-    log = srv.log_text()
-    srv.stop()
-    assert again == ids, "greedy output is the same in a second run"
-    _TPF[request.param] = (tpf, tpf_again)
-    return request.param, ids, tpf, {"log": log, "metrics": (before, after)}
+SPEC_LABELS = ["bf16", "fp8", "fp8-tp2"]
 
 
-# tokens/forward per prompt of each spec_run's two runs, by its label
-_TPF: dict[str, tuple[list[float], list[float]]] = {}
+class SpecRuns:
+    """Each labelled ATOM_DSPARK server run, started on first request and kept for the module,
+    so any test (selected alone with ``-k``, in any order) can read any label's figures and no
+    label's server starts twice."""
+
+    def __init__(self, servers, chain_target):
+        self.servers, self.chain_target = servers, chain_target
+        self.done: dict[str, tuple | Exception] = {}
+
+    def get(self, label: str) -> tuple:
+        """(label, greedy ids, tokens/forward per prompt, {"log", "metrics", "tpf_again"})."""
+        if label not in self.done:
+            try:
+                self.done[label] = self._run(label)
+            except Exception as e:  # kept, so a failed label's server is not started again
+                self.done[label] = e
+                raise
+        if isinstance(self.done[label], Exception):
+            raise self.done[label]
+        return self.done[label]
+
+    def _run(self, label: str) -> tuple:
+        dtype, _, tp = label.partition("-tp")
+        args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1"]
+        srv = self.servers.start(self.chain_target, args, env=MODELS_ENV, name=f"dspark-{label}")
+        before = _metrics(srv)
+        ids, tpf = _run(srv)
+        after = _metrics(srv)
+        _flush_cache(srv)  # a second run of the same prompts that re-drafts every token
+        again, tpf_again = _run(srv)
+        log = srv.log_text()
+        srv.stop()
+        assert again == ids, "greedy output is the same in a second run"
+        return label, ids, tpf, {"log": log, "metrics": (before, after), "tpf_again": tpf_again}
+
+
+@pytest.fixture(scope="module")
+def spec_runs(servers, chain_target) -> SpecRuns:
+    return SpecRuns(servers, chain_target)
+
+
+@pytest.fixture(scope="module", params=SPEC_LABELS)
+def spec_run(request, spec_runs):
+    return spec_runs.get(request.param)
 
 
 def _flush_cache(srv) -> None:
@@ -103,23 +131,25 @@ def _tpf(tpf: list[float]) -> float:
 def test_lossless(spec_run, baseline, report):
     dtype, ids, tpf, _ = spec_run
     same = sum(a == b for a, b in zip(ids, baseline, strict=True))
-    report(f"ATOM_DSPARK draft KV {dtype}: {same}/{len(ids)} greedy outputs identical to no "
-           f"speculation ({MAX_NEW} tokens each); tokens/forward {_tpf(tpf):.2f} "
-           f"(halves {_tpf(tpf[:8]):.2f} / {_tpf(tpf[8:]):.2f})")
+    report(
+        f"ATOM_DSPARK draft KV {dtype}: {same}/{len(ids)} greedy outputs identical to no "
+        f"speculation ({MAX_NEW} tokens each); tokens/forward {_tpf(tpf):.2f} "
+        f"(halves {_tpf(tpf[:8]):.2f} / {_tpf(tpf[8:]):.2f})"
+    )
     assert ids == baseline
 
 
 @pytest.mark.parametrize("spec_run", ["fp8", "fp8-tp2"], indirect=True)
-def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, report):
+def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, spec_runs, report):
     """The same 16 prompts, two runs per pool (radix cache flushed between them): the fp8
     pool's tokens/forward differs from the bf16 pool's by no more than the noise, taken as the
     larger of the spread between two runs and the spread between the two halves of the prompts
     (greedy decoding on CPU repeats itself, so the run-to-run spread alone is about 0)."""
     label = spec_run[0]
-    assert "bf16" in _TPF, "the bf16 run comes first in this module; run the module whole"
     figures = {}
     for name in ("bf16", label):
-        first, second = _TPF[name]
+        _, _, first, out = spec_runs.get(name)
+        second = out["tpf_again"]
         figures[name] = (_tpf(first), _tpf(second), _tpf(first[:8]), _tpf(first[8:]))
     run_spread = max(abs(f[0] - f[1]) for f in figures.values())
     half_spread = max(abs(f[2] - f[3]) for f in figures.values())
@@ -179,8 +209,10 @@ def test_draft_pool_dtype(spec_run, chain_target, report):
     )
     assert (gained > 0) == (dtype == "fp8")
     assert b.group(8) == "4096", "the line names the --max-total-tokens cap the tests set"
-    report(f"ATOM_DSPARK {label} KV budget: {tokens} tokens vs {upstream} with the draft at the "
-           f"target's dtype ({gained:+d}, x{tokens / upstream:.3f})")
+    report(
+        f"ATOM_DSPARK {label} KV budget: {tokens} tokens vs {upstream} with the draft at the "
+        f"target's dtype ({gained:+d}, x{tokens / upstream:.3f})"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +231,10 @@ def test_broken_context_write_collapses_acceptance(stale_run, spec_run, baseline
     _, _, good_tpf, _ = spec_run
     assert "stale-context: decoded tokens get no draft context" in log
     good, bad = _tpf(good_tpf) - 1, _tpf(tpf) - 1  # accepted drafts per verify
-    report(f"ATOM_DSPARK without the decode-time context write: tokens/forward {_tpf(tpf):.2f} "
-           f"vs {_tpf(good_tpf):.2f}")
+    report(
+        f"ATOM_DSPARK without the decode-time context write: tokens/forward {_tpf(tpf):.2f} "
+        f"vs {_tpf(good_tpf):.2f}"
+    )
     assert bad < 0.5 * good, "a broken context path must show in acceptance"
     assert ids == baseline, "verification keeps the output exact even with a bad draft"
 
@@ -220,8 +254,10 @@ def test_metrics_report_tokens_per_forward(spec_run, report):
 
     generated = delta("sglang:generation_tokens_total")
     verifies = delta("sglang:spec_verify_calls_total")
-    report(f"ATOM_DSPARK {dtype} Prometheus: {generated:.0f} generated tokens / {verifies:.0f} "
-           f"verify calls = {generated / verifies:.2f} tokens per forward")
+    report(
+        f"ATOM_DSPARK {dtype} Prometheus: {generated:.0f} generated tokens / {verifies:.0f} "
+        f"verify calls = {generated / verifies:.2f} tokens per forward"
+    )
     assert generated == sum(len(i) for i in ids)
     assert verifies == pytest.approx(sum(len(i) / t for i, t in zip(ids, tpf, strict=True)))
 
@@ -230,11 +266,17 @@ def test_metrics_report_tokens_per_forward(spec_run, report):
     "args, env, message",
     [
         (["--speculative-algorithm", NAME], MODELS_ENV, "needs --speculative-draft-model-path"),
-        ([*SPEC, "--speculative-num-draft-tokens", "3"], MODELS_ENV,
-         "does not match the draft's block size k=4"),
+        (
+            [*SPEC, "--speculative-num-draft-tokens", "3"],
+            MODELS_ENV,
+            "does not match the draft's block size k=4",
+        ),
         (SPEC, FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"),
-        ([*SPEC, "--attention-backend", "torch_native"], MODELS_ENV,
-         f"--speculative-algorithm {NAME} needs --attention-backend atom"),
+        (
+            [*SPEC, "--attention-backend", "torch_native"],
+            MODELS_ENV,
+            f"--speculative-algorithm {NAME} needs --attention-backend atom",
+        ),
     ],
     ids=["no-draft", "window-mismatch", "no-model-package", "torch-native"],
 )
