@@ -3,6 +3,8 @@ the atom backend at bf16 and fp8 KV, side by side in one run on one GPU.
 
     python benchmarks/bench_server.py --out benchmarks/results            # full suite
     python benchmarks/bench_server.py --out benchmarks/results --quick    # one 10-minute call
+    python benchmarks/bench_server.py --out benchmarks/results --spec --output 128  # DSpark rows
+    python benchmarks/bench_server.py --out /tmp/smoke --cpu-smoke        # the spec path on CPU
 
 Each (model, backend) gets its own server (`--load-format dummy`, `--skip-tokenizer-init`,
 CUDA graphs on, radix cache off), started and stopped by PID one after another, so the card runs
@@ -14,11 +16,20 @@ one server at a time. Per workload (batch x prompt tokens, `output` new tokens e
   measured in the same run, in tokens/s, and the fraction of it reached.
 Writes server.md / server.json / server.png into --out; rows of other runs that this run did
 not measure (other models, later suites) are kept, rows it measured are replaced.
+
+`--spec` measures ATOM_DSPARK instead (`server_dspark.py`): per model, a plain atom bf16 server
+(rows with "spec": "none") and then one server per draft block k and draft KV dtype, a random
+draft of real shape under `--atom-dspark-forced-accept N` (rows with "spec": "dspark",
+"forced_accept", "block", "draft_kv", "accept_len", "step_ratio": one draft+verify step over one
+plain decode step of the same run). Their table is the second one in server.md. `--cpu-smoke`
+runs that suite on CPU (SGLang's CPU engine through sgl_atom.launch_server, kernels' torch
+references) on a tiny shape: it checks the code path, its figures mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -27,11 +38,15 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import server_dspark as dspark  # noqa: E402
+
 from sgl_atom.testing.server import Server  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -55,7 +70,17 @@ MODELS: dict[str, dict] = {
         num_key_value_heads=8,
         vocab_size=128256,
     ),
+    # --cpu-smoke only: the tiny llama's shape (tests' "llama" kind)
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
 }
+GPU_MODELS = [m for m in MODELS if m != "tiny"]
 BACKENDS: dict[str, tuple[str, str, list[str]]] = {
     # name: (backend, kv, server args)
     "triton": ("triton", "bf16", ["--attention-backend", "triton"]),
@@ -87,18 +112,14 @@ class Row:
     extra: dict = field(default_factory=dict)
 
     def key(self) -> tuple:
-        e = self.extra
-        return (
-            self.model,
-            self.backend,
-            self.kv,
-            self.batch,
-            self.prompt,
-            self.output,
-            e.get("spec"),
-            e.get("sparse"),
-            e.get("pd"),
-        )
+        return row_key({**asdict(self), **self.extra})
+
+
+def row_key(d: dict) -> tuple:
+    """What a row measured: a later run's row of the same key replaces it."""
+    fields = ("model", "backend", "kv", "batch", "prompt", "output")
+    extra = ("spec", "block", "forced_accept", "draft_kv", "sparse", "pd")
+    return tuple(d[f] for f in fields) + tuple(d.get(f) for f in extra)
 
 
 def write_model(name: str, root: Path) -> Path:
@@ -156,6 +177,18 @@ def measure_copy_gbps() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def cpu_copy_gbps(nbytes: int = 256 << 20) -> float:
+    """Host memory copy rate (GB/s, read + write) for --cpu-smoke."""
+    import torch
+
+    src, dst = torch.ones(nbytes // 2, dtype=torch.bfloat16), torch.empty(nbytes // 2)
+    dst = dst.to(torch.bfloat16)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    return 4 * 2 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def random_prompts(batch: int, prompt: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(prompt)] for _ in range(batch)]
@@ -183,14 +216,19 @@ def log_decode_rate(log: str, batch: int) -> tuple[float, int]:
     return rates[len(rates) // 2], len(rates)
 
 
-def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id) -> Row:
-    shape = MODELS[model]
-    ids = random_prompts(batch, prompt, shape["vocab_size"], seed=batch * 100003 + prompt)
+def timed_decode(srv: Server, model: str, batch: int, prompt: int, output: int):
+    """(TTFT s, the server log written while ``output`` tokens decoded, client tokens/s)."""
+    ids = random_prompts(batch, prompt, MODELS[model]["vocab_size"], seed=batch * 100003 + prompt)
     ttft = generate(srv, ids, 1)
     mark = len(srv.log_text())
     total = generate(srv, ids, output)
-    rate, n = log_decode_rate(srv.log_text()[mark:], batch)
-    client = batch * (output - 1) / max(total - ttft, 1e-9)
+    client = batch * (output - 1) / (total - ttft) if total > ttft else 0.0  # 0: not measurable
+    return ttft, srv.log_text()[mark:], client
+
+
+def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, extra=None) -> Row:
+    ttft, log, client = timed_decode(srv, model, batch, prompt, output)
+    rate, n = log_decode_rate(log, batch)
     return Row(
         model,
         backend,
@@ -200,17 +238,45 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id) -
         output,
         decode_tok_s=round(rate or client, 1),
         ttft_s=round(ttft, 3),
-        byte_limit_tok_s=round(byte_limit(shape, kv, batch, prompt, output, gbps), 1),
+        byte_limit_tok_s=round(byte_limit(MODELS[model], kv, batch, prompt, output, gbps), 1),
         run=run_id,
         decode_tok_s_client=round(client, 1),
         log_samples=n,
+        extra=dict(extra or {}),
     )
 
 
-def server_args(model: str, name: str, workloads, output: int) -> list[str]:
+def run_spec_workload(srv, plain: Row, block: int, forced: int, draft_kv: str) -> Row:
+    """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s."""
+    ttft, log, client = timed_decode(srv, plain.model, plain.batch, plain.prompt, plain.output)
+    rate, accept, n = dspark.spec_log_rate(log, plain.batch)
+    rate, accept = rate or client, accept or forced + 1
+    if abs(accept - (forced + 1)) > 0.05:
+        print(f"[bench_server] WARNING: accept len {accept:.2f}, forced {forced + 1}", flush=True)
+    extra = dict(spec="dspark", block=block, forced_accept=forced, draft_kv=draft_kv)
+    extra |= dict(accept_len=round(accept, 2), vs_plain=round(rate / plain.decode_tok_s, 2))
+    extra["step_ratio"] = round(dspark.step_ratio(rate, accept, plain.decode_tok_s), 3)
+    return Row(
+        plain.model,
+        plain.backend,
+        plain.kv,
+        plain.batch,
+        plain.prompt,
+        plain.output,
+        decode_tok_s=round(rate, 1),
+        ttft_s=round(ttft, 3),
+        byte_limit_tok_s=plain.byte_limit_tok_s,  # the plain decode's, for reference
+        run=plain.run,
+        decode_tok_s_client=round(client, 1),
+        log_samples=n,
+        extra=extra,
+    )
+
+
+def server_args(backend_args, workloads, output, cpu=False, log_interval=0) -> list[str]:
     max_bs = max(b for b, _ in workloads)
     ctx = max(p for _, p in workloads) + output + 64
-    return [
+    args = [
         "--load-format",
         "dummy",
         "--skip-tokenizer-init",
@@ -223,35 +289,89 @@ def server_args(model: str, name: str, workloads, output: int) -> list[str]:
         str(ctx),
         "--max-running-requests",
         str(max_bs),
-        "--cuda-graph-max-bs-decode",
-        str(max_bs),
-        "--mem-fraction-static",
-        "0.85",
-        *BACKENDS[name][2],
     ]
+    if cpu:  # SGLang's CPU engine would size the pool from host memory
+        args += ["--max-total-tokens", str(max(4096, max_bs * ctx))]
+    else:
+        args += ["--cuda-graph-max-bs-decode", str(max_bs), "--mem-fraction-static", "0.85"]
+    if log_interval:
+        args += ["--decode-log-interval", str(log_interval)]
+    return args + list(backend_args)
 
 
-def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> list[Row]:
-    backend, kv, _ = BACKENDS[name]
-    path = write_model(model, root)
-    srv = Server(path, server_args(model, name, workloads, output), name=f"{model}-{name}")
-    rows: list[Row] = []
+# --cpu-smoke: the kernels' torch references, one intra-op thread (the host's cores are shared)
+CPU_ENV = {"SGL_ATOM_CPU_KERNELS": "reference", "OMP_NUM_THREADS": "1"}
+
+
+@contextmanager
+def started(path: Path, args: list[str], name: str, env: dict | None, logs: str, warm: int):
+    """A server on ``path``, warmed up with 2 requests of ``warm`` tokens; stopped by PID and
+    its log kept in ``logs`` on the way out."""
+    srv = Server(path, args, env=env, name=name)
     try:
         srv.start(timeout=900)
-        generate(srv, random_prompts(2, 1024, MODELS[model]["vocab_size"], 1), 8)  # warm-up
-        for batch, prompt in workloads:
-            row = run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id)
-            print(
-                f"[bench_server] {model} {name} {batch}x{prompt}: {row.decode_tok_s} tok/s "
-                f"(client {row.decode_tok_s_client}), TTFT {row.ttft_s} s, "
-                f"limit {row.byte_limit_tok_s}",
-                flush=True,
-            )
-            rows.append(row)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        generate(srv, random_prompts(2, warm, vocab, 1), 8)
+        yield srv
     finally:
         srv.stop()
         if logs:
-            Path(logs, f"server_{model}_{name}.log").write_text(srv.log_text())
+            Path(logs, f"server_{name}.log").write_text(srv.log_text())
+
+
+def _print(row: Row, name: str) -> None:
+    spec = (
+        f", accept {row.extra['accept_len']}, step x{row.extra['step_ratio']}"
+        if (row.extra.get("spec") == "dspark")
+        else ""
+    )
+    print(
+        f"[bench_server] {row.model} {name} {row.batch}x{row.prompt}: {row.decode_tok_s} tok/s "
+        f"(client {row.decode_tok_s_client}){spec}, TTFT {row.ttft_s} s, "
+        f"limit {row.byte_limit_tok_s}",
+        flush=True,
+    )
+
+
+def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> list[Row]:
+    backend, kv, backend_args = BACKENDS[name]
+    path = write_model(model, root)
+    rows: list[Row] = []
+    args = server_args(backend_args, workloads, output)
+    with started(path, args, f"{model}_{name}", None, logs, 1024) as srv:
+        for batch, prompt in workloads:
+            rows.append(run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id))
+            _print(rows[-1], name)
+    return rows
+
+
+def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu):
+    """The plain atom bf16 decode of ``model``, then ATOM_DSPARK with a random draft of real
+    shape per (block k, forced N) and draft KV dtype, each server after the other."""
+    path = write_model(model, root)
+    drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
+    env = CPU_ENV if cpu else {}
+    interval = 1 if cpu else 4  # a spec step makes k+1 tokens: log often enough to sample it
+    warm = min(1024, max(p for _, p in workloads))
+    base = BACKENDS["atom-bf16"][2]
+    plain: list[Row] = []
+    args = server_args(base, workloads, output, cpu, interval)
+    with started(path, args, f"{model}_atom-bf16-plain", env, logs, warm) as srv:
+        for batch, prompt in workloads:
+            none = {"spec": "none"}
+            plain.append(
+                run_workload(srv, model, "atom", "bf16", batch, prompt, output, gbps, run_id, none)
+            )
+            _print(plain[-1], "atom-bf16 plain")
+    rows = list(plain)
+    for (k, n), kv in itertools.product(blocks, draft_kvs):
+        name = f"{model}_dspark-k{k}-n{n}-{kv}"
+        spec = dspark.spec_server_args(drafts[k], kv, n)
+        args = server_args([*base, *spec], workloads, output, cpu, interval)
+        with started(path, args, name, {**env, **dspark.SPEC_ENV}, logs, warm) as srv:
+            for p in plain:
+                rows.append(run_spec_workload(srv, p, k, n, kv))
+                _print(rows[-1], name.partition("_")[2])
     return rows
 
 
@@ -260,20 +380,7 @@ def merge(path: Path, header: dict, rows: list[Row]) -> dict:
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     mine = {r.key() for r in rows}
 
-    def key_of(d):
-        return (
-            d["model"],
-            d["backend"],
-            d["kv"],
-            d["batch"],
-            d["prompt"],
-            d["output"],
-            d.get("spec"),
-            d.get("sparse"),
-            d.get("pd"),
-        )
-
-    kept = [d for d in old.get("rows", []) if key_of(d) not in mine]
+    kept = [d for d in old.get("rows", []) if row_key(d) not in mine]
     new = []
     for r in rows:
         d = asdict(r)
@@ -365,37 +472,98 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", help=f"default {','.join(GPU_MODELS)}; llama3-8b with --spec")
     ap.add_argument("--backends", default=",".join(BACKENDS))
-    ap.add_argument(
-        "--workloads",
-        default=",".join(f"{b}x{p}" for b, p in WORKLOADS),
-        help="comma-separated BATCHxPROMPT",
-    )
+    ap.add_argument("--workloads", help="comma-separated BATCHxPROMPT (defaults: see --spec)")
     ap.add_argument("--output", type=int, default=256, help="new tokens per request")
     ap.add_argument(
         "--quick",
         action="store_true",
         help="llama3-8b only, 128 new tokens: fits one 10-minute device call",
     )
+    ap.add_argument(
+        "--spec",
+        action="store_true",
+        help=f"ATOM_DSPARK rows beside the plain atom bf16 decode (workloads "
+        f"{dspark.DEFAULT_WORKLOADS}) instead of the backends",
+    )
+    ap.add_argument(
+        "--spec-blocks", default=dspark.DEFAULT_BLOCKS, help="k:N,... (block k, N forced)"
+    )
+    ap.add_argument("--draft-kv", default=dspark.DEFAULT_DRAFT_KV, help="draft KV pool dtypes")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="--spec on CPU, tiny shape, 2x64, 8 new tokens: the code path, not figures",
+    )
     ap.add_argument("--logs", default="", help="folder for each server's full log")
     args = ap.parse_args(argv)
     if args.quick:
-        args.models, args.output = "llama3-8b", 128
+        args.models, args.output = args.models or "llama3-8b", 128
+    if args.cpu_smoke:
+        args.spec, args.models, args.output = True, "tiny", 8
+        args.workloads = args.workloads or "2x64"
+        if Path(args.out).resolve() == (HERE / "results").resolve():
+            raise SystemExit("--cpu-smoke: give a scratch --out; CPU figures never go to results/")
+    args.models = args.models or ("llama3-8b" if args.spec else ",".join(GPU_MODELS))
+    default_loads = (
+        dspark.DEFAULT_WORKLOADS if args.spec else ",".join(f"{b}x{p}" for b, p in WORKLOADS)
+    )
+    args.workloads = args.workloads or default_loads
+    return args
+
+
+def run_suite(args, gbps: float, run_id: str) -> list[Row]:
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
-    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    gbps = measure_copy_gbps()
-    print(f"[bench_server] copy rate {gbps:.0f} GB/s, run {run_id}", flush=True)
+    blocks = dspark.parse_blocks(args.spec_blocks)
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
         for model in args.models.split(","):
+            if args.spec:
+                kvs = args.draft_kv.split(",")
+                rows += bench_spec(
+                    model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
+                    args.cpu_smoke,
+                )  # fmt: skip
+                continue
             for name in args.backends.split(","):
                 rows += bench_server(
-                    model, name, workloads, args.output, gbps, run_id, Path(root), args.logs
+                    model, name, workloads, args.output, gbps, run_id, root, args.logs
                 )
+    return rows
+
+
+def write_results(out: Path, header: dict, rows: list[Row]) -> str:
+    """server.json (merged with earlier runs), server.md (both tables), server.png; the md."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = merge(out / "server.json", header, rows)
+    (out / "server.json").write_text(json.dumps(data, indent=1))
+    plain = any(not r.get("spec") and not r.get("pd") and not r.get("sparse") for r in data["rows"])
+    md = table(data["rows"]) if plain else ""
+    if any(r.get("spec") in ("none", "dspark") for r in data["rows"]):
+        md += "\n\n" if md else ""
+        md += "ATOM_DSPARK under forced acceptance, beside the plain atom bf16 decode:\n\n"
+        md += dspark.spec_table(data["rows"])
+    gbps = header["copy_gbps"]
+    (out / "server.md").write_text(
+        f"# Server benchmark\n\n{header['machine']}, {header['date']}, copy {gbps:.0f} GB/s\n\n"
+        f"`{header['command']}`\n\n{md}\n"
+    )
+    if plain:
+        plot(data["rows"], out / "server.png")
+    return md
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    gbps = cpu_copy_gbps() if args.cpu_smoke else measure_copy_gbps()
+    print(f"[bench_server] copy rate {gbps:.0f} GB/s, run {run_id}", flush=True)
+    rows = run_suite(args, gbps, run_id)
     import torch
 
     header = {
@@ -404,17 +572,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python benchmarks/bench_server.py " + " ".join(argv or sys.argv[1:]),
         "copy_gbps": round(gbps, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    data = merge(out / "server.json", header, rows)
-    (out / "server.json").write_text(json.dumps(data, indent=1))
-    md = table(data["rows"])
-    (out / "server.md").write_text(
-        f"# Server benchmark\n\n{header['machine']}, {header['date']}, copy {gbps:.0f} GB/s\n\n"
-        f"`{header['command']}`\n\n{md}\n"
-    )
-    plot(data["rows"], out / "server.png")
-    print(md)
+    print(write_results(Path(args.out), header, rows))
 
 
 if __name__ == "__main__":

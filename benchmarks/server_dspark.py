@@ -1,0 +1,193 @@
+"""DSpark rows of the server benchmark (`bench_server.py --spec`): a random draft of real shape
+written at start, the server flags that serve it under forced acceptance, the spec decode log
+lines, and the second md table.
+
+The draft is 2 layers at the target's hidden size, heads and MLP width, taps from two target
+layers, the target's vocab (Markov head of rank 256); about 1 GB at bf16 for the Llama-3-8B
+shape, so it is generated into the run's temp dir rather than carried to the GPU machine. Block
+sizes share one weights file (k does not change a tensor's shape), linked into each k's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+DRAFT_LAYERS = 2
+MARKOV_RANK = 256
+# "k:N": block k (verify window k + 1) with N drafts committed per verify
+DEFAULT_BLOCKS = "4:3,7:5"
+DEFAULT_DRAFT_KV = "bf16,fp8"
+DEFAULT_WORKLOADS = "1x4096,16x4096,64x4096"
+# SGLang's "Decode batch" line (scheduler_components/metrics_reporter.py); a spec server adds
+# "accept len: X" before the graph flag and "gen throughput (token/s)"
+SPEC_RE = re.compile(
+    r"Decode batch.*?#running-req: (\d+).*?(?:accept len: ([\d.]+).*?)?"
+    r"gen throughput \(token/s\): ([\d.]+)"
+)
+STEP_TARGET = 1.35  # issue 14: one draft+verify step <= 1.35x a plain decode step
+
+
+def parse_blocks(text: str) -> list[tuple[int, int]]:
+    """``"4:3,7:5"`` -> [(4, 3), (7, 5)], each N in 0..k-1 (what the server accepts)."""
+    out = []
+    for item in text.split(","):
+        k, _, n = item.partition(":")
+        k, n = int(k), int(n)
+        if not 0 <= n < k:
+            raise SystemExit(f"--spec-blocks {item}: forced acceptance N must lie in 0..k-1")
+        out.append((k, n))
+    return out
+
+
+def tap_layers(num_layers: int) -> list[int]:
+    """Two taps, a third and two thirds down the target, both below its last layer (whose output
+    SGLang's Llama does not capture)."""
+    taps = [num_layers // 3, 2 * num_layers // 3]
+    assert taps[0] < taps[1] < num_layers - 1, f"no two taps below layer {num_layers - 1}"
+    return taps
+
+
+def draft_config(shape: dict, block: int, max_pos: int):
+    from sgl_atom.spec.dspark.config import DSparkDraftConfig
+
+    hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+    cfg = DSparkDraftConfig(
+        architecture="AtomDSparkDraftModel",
+        hidden_size=hidden,
+        num_hidden_layers=DRAFT_LAYERS,
+        num_attention_heads=heads,
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=hidden // heads,
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        block_size=block,
+        target_layer_ids=tuple(tap_layers(shape["num_hidden_layers"])),
+        num_target_layers=shape["num_hidden_layers"],
+        mask_token_id=shape["vocab_size"] - 1,
+        markov_rank=min(MARKOV_RANK, shape["vocab_size"]),
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=max_pos,
+        target_hidden_size=hidden,
+    )
+    return DSparkDraftConfig.from_hf_dict(cfg.to_hf_dict())  # validates what is written
+
+
+def write_drafts(model: str, shape: dict, blocks: list[int], root: Path, max_pos: int) -> dict:
+    """One draft checkpoint folder per block size under ``root``: {k: path}. Random bf16
+    weights (seeded), written once and linked into every folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sgl_atom.spec.dspark.weights import init_draft_weights
+
+    weights_file = root / f"dspark-{model}.safetensors"
+    paths = {}
+    for k in blocks:
+        cfg = draft_config(shape, k, max_pos)
+        if not weights_file.exists():
+            w = init_draft_weights(cfg, seed=0, init_range=0.02, dtype=torch.bfloat16)
+            save_file(w, str(weights_file), metadata={"format": "pt"})
+            gb = sum(t.numel() * t.element_size() for t in w.values()) / 1e9
+            print(f"[bench_server] {model} DSpark draft weights: {gb:.2f} GB", flush=True)
+        path = root / f"dspark-{model}-k{k}"
+        path.mkdir(parents=True, exist_ok=True)
+        extra = dict(hidden_act="silu", attention_bias=False, torch_dtype="bfloat16")
+        hf = cfg.to_hf_dict() | extra | dict(tie_word_embeddings=False)
+        (path / "config.json").write_text(json.dumps(hf, indent=1, sort_keys=True))
+        link = path / "model.safetensors"
+        if not link.exists():
+            link.symlink_to(weights_file)
+        paths[k] = path
+    return paths
+
+
+def spec_server_args(draft: Path, draft_kv: str, forced: int) -> list[str]:
+    """ATOM_DSPARK with ``draft``, its KV pool at ``draft_kv`` (bf16 / fp8, given to SGLang's
+    own flag in its spelling: bf16 / fp8_e4m3), ``forced`` drafts committed per verify."""
+    from sgl_atom.spec.draft_kv_dtype import to_sglang_dtype
+
+    return [
+        "--speculative-algorithm",
+        "ATOM_DSPARK",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-draft-kv-cache-dtype",
+        to_sglang_dtype(draft_kv),
+        "--atom-dspark-forced-accept",
+        str(forced),
+    ]
+
+
+SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
+
+
+def spec_log_rate(log: str, batch: int) -> tuple[float, float, int]:
+    """(median gen throughput, mean accept len, lines) of the decode lines with the whole batch
+    running, the first dropped (its interval can hold the end of the prefill)."""
+    hits = [(float(a or 0), float(r)) for n, a, r in SPEC_RE.findall(log) if int(n) == batch][1:]
+    if not hits:
+        return 0.0, 0.0, 0
+    rates = sorted(r for _, r in hits)
+    return rates[len(rates) // 2], sum(a for a, _ in hits) / len(hits), len(hits)
+
+
+def step_ratio(spec_tok_s: float, accept_len: float, plain_tok_s: float) -> float:
+    """Time of one draft+verify step over one plain decode step at the same batch: a step makes
+    batch x accept_len tokens with speculation and batch tokens without."""
+    return accept_len * plain_tok_s / spec_tok_s
+
+
+def spec_table(rows: list[dict]) -> str:
+    """The DSpark rows beside the plain decode of the same run, model and workload."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import format_table
+
+    mine = [r for r in rows if r.get("spec") in ("none", "dspark")]
+    order = lambda r: (  # noqa: E731
+        r["model"],
+        r["batch"],
+        r["prompt"],
+        r["run"],
+        r["spec"] != "none",
+        r.get("block") or 0,
+        r.get("draft_kv") or "",
+    )
+    out = []
+    for r in sorted(mine, key=order):
+        plain = r["spec"] == "none"
+        out.append(
+            [
+                r["model"],
+                f"{r['batch']}x{r['prompt']}",
+                "plain" if plain else f"k={r['block']} forced {r['forced_accept']}",
+                "-" if plain else r["draft_kv"],
+                1 if plain else r.get("accept_len", "-"),
+                round(r["decode_tok_s"]),
+                "1" if plain else r.get("vs_plain", "-"),
+                "1" if plain else r.get("step_ratio", "-"),
+                r["ttft_s"],
+                r["run"],
+            ]
+        )
+    return format_table(
+        [
+            "model",
+            "batch x prompt",
+            "speculation",
+            "draft kv",
+            "accept len",
+            "decode tok/s",
+            "vs plain",
+            f"step vs plain (target <= {STEP_TARGET})",
+            "TTFT s",
+            "run",
+        ],
+        out,
+    )
