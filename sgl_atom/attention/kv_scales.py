@@ -3,8 +3,8 @@
 One fp32 scale per (token slot, KV head) for K and for V, per layer: ``[slots, kv_heads]``,
 indexed by the same slot ids as the pool's K/V rows, so freed and reused slots (radix cache,
 chunked prefill) carry their scale with them: a slot's scale is rewritten by the same kernel
-that writes its bytes. The buffers hang off the pool object, so every backend reading one pool
-(prefill and decode backends, a draft's own pool) shares them.
+that writes its bytes. The buffers live in the pool's :mod:`sgl_atom.pool_state`, so every
+backend reading one pool (prefill and decode backends, a draft's own pool) shares them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..log import get_logger
+from ..pool_state import state_of
 
 logger = get_logger("sgl_atom.attention")
-_ATTR = "_sgl_atom_kv_scales"
 
 
 @dataclass
@@ -35,17 +35,16 @@ class KVScales:
 
 def scales_for_pool(pool) -> KVScales:
     """The scale buffers of ``pool`` (an MHA token pool), created once on first use."""
-    scales = getattr(pool, _ATTR, None)
-    if scales is not None:
-        return scales
+    state = state_of(pool)
+    if state.kv_scales is not None:
+        return state.kv_scales
     start = getattr(pool, "start_layer", 0) or 0
     shapes = [pool.get_key_buffer(start + i).shape[:2] for i in range(pool.layer_num)]
     device = pool.get_key_buffer(start).device
     # ones, not zeros: a never-written slot dequantizes to its fp8 bytes (zeros) either way
     k = [torch.ones(s, dtype=torch.float32, device=device) for s in shapes]
     v = [torch.ones(s, dtype=torch.float32, device=device) for s in shapes]
-    scales = KVScales(k, v, start)
-    setattr(pool, _ATTR, scales)
+    scales = state.kv_scales = KVScales(k, v, start)
     logger.info(
         "fp8 KV scales: %d layers x [%d slots, %d kv heads] x (K, V) fp32 = %.2f MB",
         pool.layer_num,

@@ -23,11 +23,11 @@ import torch
 
 from ..kernels.sparse_attention import SPARSE_BLOCK, TopkHolder, should_score
 from ..log import get_logger
+from ..pool_state import state_of
 
 logger = get_logger("sgl_atom.attention")
 SUPPORTED_SCORE_TYPES = ("max",)
 SUPPORTED_HEAD_DIMS = (128,)
-_INDEX_ATTR = "_sgl_atom_index_cache"
 LOG_EVERY = 16  # forwards between two log lines of the skipped-block counts
 # PPProxyTensors keys of the selection handed to the next pipeline stage
 PP_SELECTED, PP_COUNT, PP_SCORED_BY = "sparse_selected", "sparse_count", "sparse_scored_by"
@@ -159,9 +159,9 @@ class IndexCache:
 
     @classmethod
     def for_pool(cls, pool, cfg: SparseConfig, dtype: torch.dtype) -> IndexCache:
-        cache = getattr(pool, _INDEX_ATTR, None)
-        if cache is not None:
-            return cache
+        state = state_of(pool)
+        if state.index_cache is not None:
+            return state.index_cache
         start = getattr(pool, "start_layer", 0) or 0
         slots = pool.get_key_buffer(start).shape[0]
         device = pool.get_key_buffer(start).device
@@ -175,8 +175,7 @@ class IndexCache:
             lid: torch.ones(slots, dtype=torch.float32, device=device) if fp8 else None
             for lid in writers
         }
-        cache = cls(keys, scales, writers)
-        setattr(pool, _INDEX_ATTR, cache)
+        cache = state.index_cache = cls(keys, scales, writers)
         nbytes = sum(t.numel() * t.element_size() for t in (*keys.values(), *scales.values())
                      if t is not None)  # fmt: skip
         logger.info(

@@ -53,14 +53,13 @@ from sglang.srt.server_args import ServerArgs
 from sgl_atom import envs
 from sgl_atom.disagg import wire
 from sgl_atom.disagg.bind import control_plane_address
-from sgl_atom.disagg.draft_registry import draft_pool
 from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError, heads_of_rank
 from sgl_atom.log import get_logger
-from sgl_atom.patches.disagg_pool_registry import pool_for
+from sgl_atom.pool_state import peek, pool_with_transfer_buffer
 
 logger = get_logger("sgl_atom.disagg")
 
@@ -249,7 +248,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 "(ATOM_DSPARK). Serve this P/D pair with --disaggregation-transfer-backend "
                 "mooncake/nixl"
             )
-        pool = pool_for(args.kv_data_ptrs[0]) if args.kv_data_ptrs else None
+        pool = pool_with_transfer_buffer(args.kv_data_ptrs[0]) if args.kv_data_ptrs else None
         if pool is None:
             raise RuntimeError(
                 "atom P/D: the KV pool behind the transfer buffers is unknown; sgl_atom's "
@@ -260,7 +259,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             tp_rank=self.attn_tp_rank,
             tp_size=self.attn_tp_size,
             total_kv_heads=self._total_kv_heads(args),
-            draft_pool=draft_pool(),
+            draft_pool=peek(pool).draft_pool,
         )
         check_state_types(getattr(args, "state_types", None) or [], export, type(pool).__name__)
         ours = [t.data_ptr() for t in export.tensors if t.data_ptr() in set(args.kv_data_ptrs)]

@@ -42,9 +42,8 @@ from sgl_atom.disagg.regions import (
     canonical_dtype,
     heads_of_rank,
 )
+from sgl_atom.pool_state import peek
 
-_SCALES_ATTR = "_sgl_atom_kv_scales"  # where sgl_atom.attention.kv_scales hangs the scales
-_INDEX_ATTR = "_sgl_atom_index_cache"  # where sgl_atom.attention.sparse hangs the index cache
 # SGLang's per-request state components (StateType values) that a MiniMaxSparseKVPool's
 # description moves as pages: the dense layers' K/V (main_pool layers) and the index keys
 # (the atom backend's own index cache; SGLang's index_k_pool is not written by it).
@@ -101,9 +100,9 @@ def describe_pool(
     _, per = heads_of_rank(total_kv_heads, tp_size, tp_rank)
     _check_buffers(pool, k_bufs, v_bufs, per)
     dtype = pool_dtype(pool)
-    scales = getattr(pool, _SCALES_ATTR, None)
-    fp8_scales = scales is not None and dtype in FP8_DTYPES
-    index = describe_index_cache(getattr(pool, _INDEX_ATTR, None), layers, len(k_bufs[0]))
+    state = peek(pool)
+    fp8_scales = state.kv_scales is not None and dtype in FP8_DTYPES
+    index = describe_index_cache(state.index_cache, layers, len(k_bufs[0]))
     regions = build_rank_regions(
         layers=layers,
         tp_rank=tp_rank,
@@ -122,7 +121,7 @@ def describe_pool(
     for i, layer in enumerate(layers):
         tensors += [k_bufs[i], v_bufs[i]]
         if fp8_scales:
-            tensors += [scales.k[i], scales.v[i]]
+            tensors += [state.kv_scales.k[i], state.kv_scales.v[i]]
         tensors += index.tensors.get(layer, [])
     if index.layers:
         covers |= {INDEX_K_STATE}

@@ -482,15 +482,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "the settled draft KV dtype; a _-prefixed non-field attribute survives the pickle",
     ),
     PrivateName(
-        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._sgl_atom_kv_scales",
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._sgl_atom_state",
         "set by sgl_atom",
-        "sgl_atom.attention.kv_scales, sgl_atom.disagg.pool_regions",
-        "the atom backend's fp8 scales hang off the pool every backend of it reads",
-    ),
-    PrivateName(
-        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._sgl_atom_index_cache",
-        "set by sgl_atom",
-        "sgl_atom.attention.sparse, sgl_atom.disagg.pool_regions",
-        "the sparse index cache hangs off the target's KV pool",
+        "sgl_atom.pool_state (its only reader and writer)",
+        "sgl_atom's per-pool state (fp8 scales, index cache, the draft pool P/D moves with it) "
+        "hangs off the pool every backend of it reads",
     ),
 )

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sgl_atom import pool_state
 from sgl_atom.disagg import wire
 from sgl_atom.disagg.plan import HandshakeError
 from sgl_atom.disagg.pool_regions import describe_pool
@@ -113,8 +114,8 @@ def test_pool_registry_records_the_pool_and_returns_nothing_new():
     pool = _pool()
     result = ([pool.k_buffer[0].data_ptr(), 7], [1, 1], [1, 1])
     assert disagg_pool_registry.record_pool(result, pool) is None
-    assert disagg_pool_registry.pool_for(pool.k_buffer[0].data_ptr()) is pool
-    assert disagg_pool_registry.pool_for(12345) is None
+    assert pool_state.pool_with_transfer_buffer(pool.k_buffer[0].data_ptr()) is pool
+    assert pool_state.pool_with_transfer_buffer(12345) is None
 
 
 # ---------------------------------------------------------------- pool descriptions
@@ -140,7 +141,7 @@ def test_describe_pool_names_k_v_per_global_layer():
 
 def test_describe_pool_adds_fp8_scales_hung_off_the_pool():
     pool = _pool(layers=2, heads=1, dtype=torch.float8_e4m3fn)
-    pool._sgl_atom_kv_scales = SimpleNamespace(
+    pool_state.state_of(pool).kv_scales = SimpleNamespace(
         k=[torch.ones(33, 1) for _ in range(2)], v=[torch.ones(33, 1) for _ in range(2)]
     )
     export = describe_pool(pool, tp_rank=1, tp_size=2, total_kv_heads=2)
@@ -150,7 +151,7 @@ def test_describe_pool_adds_fp8_scales_hung_off_the_pool():
         RegionKind.K_SCALE,
         RegionKind.V_SCALE,
     ]
-    assert export.tensors[2] is pool._sgl_atom_kv_scales.k[0]
+    assert export.tensors[2] is pool_state.peek(pool).kv_scales.k[0]
     assert export.regions[2].dtype == "float32" and export.regions[0].dtype == "float8_e4m3fn"
 
 
@@ -199,16 +200,15 @@ def test_describe_pool_appends_a_bf16_draft_pool_without_scales():
     assert {r.dtype for r in export.regions[8:]} == {"bfloat16"}
 
 
-def test_draft_registry_hands_the_pool_to_the_backend():
-    from sgl_atom.disagg import draft_registry
-
-    draft = _draft("bf16")
-    try:
-        draft_registry.register_draft_pool(draft)
-        assert draft_registry.draft_pool() is draft
-    finally:
-        draft_registry.clear_draft_pool()
-    assert draft_registry.draft_pool() is None
+def test_pool_state_hands_the_draft_pool_to_the_backend():
+    """The worker records its draft pool with the target's pool; the backend, handed the target
+    pool's transfer buffers, finds both (and another pool has no draft)."""
+    target, other, draft = _pool(), _pool(), _draft("bf16")
+    pool_state.state_of(target).draft_pool = draft
+    disagg_pool_registry.record_pool(([target.k_buffer[0].data_ptr()], [1], [1]), target)
+    found = pool_state.pool_with_transfer_buffer(target.k_buffer[0].data_ptr())
+    assert found is target and pool_state.peek(found).draft_pool is draft
+    assert pool_state.peek(other).draft_pool is None and "_sgl_atom_state" not in other.__dict__
 
 
 # ---------------------------------------------------------------- peer checks

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sgl_atom import pool_state
 from sgl_atom.disagg import HandshakeError, RegionDesc, RegionError, build_rank_regions, wire
 from sgl_atom.disagg.plan import plan_transfer
 from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
@@ -47,7 +48,7 @@ def _export(tp_rank: int, tp_size: int, dtype: str, page: int) -> PoolExport:
         start_layer=0,
     )
     if fp8:
-        pool._sgl_atom_kv_scales = SimpleNamespace(
+        pool_state.state_of(pool).kv_scales = SimpleNamespace(
             k=[torch.ones(SLOTS, per) for _ in range(2)],
             v=[torch.ones(SLOTS, per) for _ in range(2)],
         )

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_disagg_backend import _consumer, _Pool
 
+from sgl_atom import pool_state
 from sgl_atom.attention.sparse import IndexCache, SparseConfig
 from sgl_atom.disagg.conn import check_state_types, plan_for_peer, region_counts
 from sgl_atom.disagg.plan import HandshakeError
@@ -54,7 +55,7 @@ def _pool(fp8: bool, index: bool = True, index_fp8: bool | None = None) -> _Pool
     )
     pool.get_key_buffer = lambda layer: pool.k_buffer[layer]
     if fp8:
-        pool._sgl_atom_kv_scales = SimpleNamespace(
+        pool_state.state_of(pool).kv_scales = SimpleNamespace(
             k=[torch.ones(SLOTS, HEADS) for _ in range(LAYERS)],
             v=[torch.ones(SLOTS, HEADS) for _ in range(LAYERS)],
         )
@@ -78,7 +79,7 @@ def _kinds(export) -> list[tuple[str, int]]:
 
 
 def test_index_cache_records_the_layers_that_write_index_keys():
-    cache = _pool(fp8=False).__dict__["_sgl_atom_index_cache"]
+    cache = pool_state.peek(_pool(fp8=False)).index_cache
     assert cache.writers == WRITERS  # only the scoring sparse layers write index keys ...
     assert sorted(cache.keys) == list(WRITERS) != list(SPARSE)  # ... and only they hold them
 
@@ -92,7 +93,7 @@ def test_bf16_index_keys_follow_their_layer():
         ("target_k", 2), ("target_v", 2),
         ("target_k", 3), ("target_v", 3), ("index_k", 3),
     ]  # fmt: skip
-    cache = pool._sgl_atom_index_cache
+    cache = pool_state.peek(pool).index_cache
     idx = [i for i, r in enumerate(export.regions) if r.kind is RegionKind.INDEX_K]
     assert [export.tensors[i] for i in idx] == [cache.keys[1], cache.keys[3]]
     r = export.regions[idx[0]]
@@ -119,7 +120,7 @@ def test_fp8_index_keys_carry_their_scales():
     by_kind = {(r.kind, r.global_layer): (r, t) for r, t in pairs}
     key, key_t = by_kind[(RegionKind.INDEX_K, 1)]
     scale, scale_t = by_kind[(RegionKind.INDEX_SCALE, 1)]
-    cache = pool._sgl_atom_index_cache
+    cache = pool_state.peek(pool).index_cache
     assert key_t is cache.keys[1] and scale_t is cache.scales[1]
     assert (key.dtype, key.unit_bytes) == ("float8_e4m3fn", INDEX_DIM)
     assert (scale.dtype, scale.head_dim, scale.unit_bytes) == ("float32", 1, 4)
@@ -175,9 +176,9 @@ def test_a_pool_without_index_cache_does_not_cover_sglang_index_state():
 )
 def test_index_cache_problems_are_named(mutate, match):
     pool = _pool(fp8=True)
-    mutate(pool._sgl_atom_index_cache)
+    mutate(pool_state.peek(pool).index_cache)
     with pytest.raises(RegionError, match=match):
-        describe_index_cache(pool._sgl_atom_index_cache, range(LAYERS), SLOTS)
+        describe_index_cache(pool_state.peek(pool).index_cache, range(LAYERS), SLOTS)
 
 
 # ---------------------------------------------------------------- pairing and moving
@@ -211,7 +212,8 @@ def test_matching_index_regions_are_paired_and_moved_with_the_pages(fp8):
         want = ["index_k layer 1", "index_scale layer 1", "index_k layer 3", "index_scale layer 3"]
     assert [p.name for p in index_pairs] == want
     assert {p.mode for p in index_pairs} == {"replicated"}
-    src_cache, dst_cache = prod_pool._sgl_atom_index_cache, cons_pool._sgl_atom_index_cache
+    src_cache = pool_state.peek(prod_pool).index_cache
+    dst_cache = pool_state.peek(cons_pool).index_cache
     g = torch.Generator().manual_seed(0)
     for lid in WRITERS:
         rows = torch.randn(SLOTS, INDEX_DIM, generator=g)

@@ -11,7 +11,7 @@ Past those slots the pool keeps ``block_rows`` scratch rows: ``scratch_rows(batc
 batch row ``block_len`` of them, where a draft pass writes its block's own K/V so that one
 non-causal paged-attention call sees context and block together (:func:`block_page_table`).
 ``k``/``v``/``k_scale``/``v_scale`` are views of the slot rows only: what P/D registers and
-moves (``sgl_atom.disagg.draft_registry``) never includes the scratch rows.
+moves (the target pool's ``sgl_atom.pool_state``) never includes the scratch rows.
 """
 
 from __future__ import annotations

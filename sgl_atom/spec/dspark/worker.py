@@ -44,8 +44,8 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from ... import envs
-from ...disagg.draft_registry import register_draft_pool
 from ...log import get_logger
+from ...pool_state import state_of
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
 from .forced_accept import FLAG, WARNING, forced_accept, forced_acceptance
@@ -154,7 +154,8 @@ class AtomDSparkWorker(NGRAMWorker):
         )
         if not self.producer:
             check_block_attention(cfg, self.pool)
-        register_draft_pool(self.pool)  # the atom P/D backend moves it with the target's KV
+        # the atom P/D backend moves the draft pool with the target's KV
+        state_of(kv_pool).draft_pool = self.pool
         at_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
         logger.info(
             "ATOM_DSPARK draft KV pool: %s (%s), %d slots x %d layers, %d B/token (at bf16: %d "
