@@ -23,6 +23,7 @@ import torch
 
 from ..kernels.sparse_attention import SPARSE_BLOCK, TopkHolder, should_score
 from ..log import get_logger
+from ..parallel_layout import heads_of_rank
 from ..pool_state import state_of
 
 logger = get_logger("sgl_atom.attention")
@@ -371,8 +372,6 @@ def _rank_heads(selected: torch.Tensor, count: torch.Tensor, local_kv_heads: int
     if total == local_kv_heads:
         return selected, count
     from sglang.srt.runtime_context import get_parallel
-
-    from ..disagg.regions import heads_of_rank
 
     par = get_parallel()
     start, n = heads_of_rank(total, par.tp_size, par.tp_rank)

@@ -15,7 +15,6 @@ from sgl_atom.disagg.regions import (
     RegionKind,
     build_rank_regions,
     canonical_dtype,
-    heads_of_rank,
 )
 from sgl_atom.disagg.wire import (
     Handshake,
@@ -42,6 +41,5 @@ __all__ = [
     "check_stage_coverage",
     "decode",
     "encode",
-    "heads_of_rank",
     "plan_transfer",
 ]

@@ -57,8 +57,9 @@ from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
-from sgl_atom.disagg.regions import RegionError, heads_of_rank
+from sgl_atom.disagg.regions import RegionError
 from sgl_atom.log import get_logger
+from sgl_atom.parallel_layout import heads_of_rank
 from sgl_atom.pool_state import peek, pool_with_transfer_buffer
 
 logger = get_logger("sgl_atom.disagg")

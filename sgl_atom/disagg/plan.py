@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sgl_atom.disagg.regions import RegionDesc, RegionError, heads_of_rank
+from sgl_atom.disagg.regions import RegionDesc
+from sgl_atom.parallel_layout import LayoutError, heads_of_rank
 
 
 class HandshakeError(ValueError):
@@ -328,7 +329,7 @@ def _compat_problems(p: RegionDesc, p_tp: int, c: RegionDesc, c_tp: int) -> list
 def _head_problems(r: RegionDesc, tp: int, who: str) -> list[str]:
     try:
         _, per = heads_of_rank(r.total_heads, tp, 0)
-    except RegionError:
+    except LayoutError:
         return [
             f"{r.name}: {r.total_heads} heads do not divide over {who} TP{tp} "
             "(no even head cut: heads must be a multiple of TP or TP a multiple of heads)"

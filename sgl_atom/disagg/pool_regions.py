@@ -40,8 +40,8 @@ from sgl_atom.disagg.regions import (
     RegionKind,
     build_rank_regions,
     canonical_dtype,
-    heads_of_rank,
 )
+from sgl_atom.parallel_layout import heads_of_rank
 from sgl_atom.pool_state import peek
 
 # SGLang's per-request state components (StateType values) that a MiniMaxSparseKVPool's

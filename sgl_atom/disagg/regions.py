@@ -11,8 +11,8 @@ mapped region and paired from the END of each side's list (draft layers are numb
 draft, and the index of the first draft region differs per stage).
 
 Sharded or whole: a region's heads are either cut over the TP ranks as SGLang cuts KV heads
-(:func:`heads_of_rank`), or held whole on every rank (``replicated``: heads_per_rank ==
-total_heads). The sparse index key and its scale are always whole (1 head of 1); a draft region
+(:func:`sgl_atom.parallel_layout.heads_of_rank`), or held whole on every rank (``replicated``:
+heads_per_rank == total_heads). The sparse index key and its scale are always whole (1 head of 1); a draft region
 may be either: the ATOM_DSPARK draft runs whole on every TP rank, so its pool holds every draft
 KV head on every rank. Target K/V and their scales are always sharded.
 
@@ -26,10 +26,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..dtypes import ELEMENT_BYTES, FP8_TORCH_NAMES, torch_name
+from ..parallel_layout import LayoutError, heads_of_rank
 
 
-class RegionError(ValueError):
+class RegionError(LayoutError):
     """A region description (or a rank's inputs to build one) is inconsistent."""
+
+
+def _heads(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """:func:`heads_of_rank`, refusing as a region error."""
+    try:
+        return heads_of_rank(total, tp_size, tp_rank)
+    except LayoutError as e:
+        raise RegionError(str(e)) from None
 
 
 class RegionKind(enum.StrEnum):
@@ -189,25 +198,6 @@ class RegionDesc:
         return self.tokens_per_page * self.heads_per_rank * self.unit_bytes
 
 
-def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """(first global head, head count) a TP rank holds, as SGLang shards KV heads.
-
-    total % tp == 0: a contiguous block of total/tp heads. tp % total == 0: one head replicated
-    over tp/total consecutive ranks. Anything else has no even cut and is refused.
-    """
-    if not (0 <= tp_rank < tp_size):
-        raise RegionError(f"tp_rank {tp_rank} outside TP{tp_size}")
-    if total_heads % tp_size == 0:
-        per = total_heads // tp_size
-        return tp_rank * per, per
-    if tp_size % total_heads == 0:
-        return tp_rank // (tp_size // total_heads), 1
-    raise RegionError(
-        f"{total_heads} heads do not divide over TP{tp_size}: each rank must hold the same "
-        f"number of whole heads (heads a multiple of TP, or TP a multiple of heads)"
-    )
-
-
 def build_rank_regions(
     *,
     layers: Iterable[int],
@@ -249,7 +239,7 @@ def build_rank_regions(
     idx_layers = set(layers if index_layers is None else index_layers)
     if not idx_layers <= set(layers):
         raise RegionError(f"index_layers {sorted(idx_layers)} are not all in layers {layers}")
-    _, per = heads_of_rank(kv_heads, tp_size, tp_rank)
+    _, per = _heads(kv_heads, tp_size, tp_rank)
     page = dict(tokens_per_page=page_size)
     out: list[RegionDesc] = []
     for layer in layers:
@@ -261,7 +251,7 @@ def build_rank_regions(
     if draft_layers:
         d_dtype = canonical_dtype(draft_dtype or dtype)
         d_heads = draft_kv_heads or kv_heads
-        d_per = d_heads if draft_whole else heads_of_rank(d_heads, tp_size, tp_rank)[1]
+        d_per = d_heads if draft_whole else _heads(d_heads, tp_size, tp_rank)[1]
         d_scales = fp8_scales and d_dtype in FP8_DTYPES
         for layer in range(draft_layers):
             out += _kv_regions(

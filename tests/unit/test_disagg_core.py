@@ -27,10 +27,10 @@ from sgl_atom.disagg import (
     check_stage_coverage,
     decode,
     encode,
-    heads_of_rank,
     plan_transfer,
     wire,
 )
+from sgl_atom.parallel_layout import heads_of_rank
 
 K = RegionKind
 

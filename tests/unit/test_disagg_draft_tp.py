@@ -20,7 +20,8 @@ from sgl_atom import pool_state
 from sgl_atom.disagg import HandshakeError, RegionDesc, RegionError, build_rank_regions, wire
 from sgl_atom.disagg.plan import plan_transfer
 from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
-from sgl_atom.disagg.regions import RegionKind, heads_of_rank
+from sgl_atom.disagg.regions import RegionKind
+from sgl_atom.parallel_layout import heads_of_rank
 from sgl_atom.spec.dspark.pool import DraftKVPool
 
 K = RegionKind
