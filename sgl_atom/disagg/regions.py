@@ -12,9 +12,9 @@ draft, and the index of the first draft region differs per stage).
 
 Sharded or whole: a region's heads are either cut over the TP ranks as SGLang cuts KV heads
 (:func:`sgl_atom.parallel_layout.heads_of_rank`), or held whole on every rank (``replicated``:
-heads_per_rank == total_heads). The sparse index key and its scale are always whole (1 head of 1); a draft region
-may be either: the ATOM_DSPARK draft runs whole on every TP rank, so its pool holds every draft
-KV head on every rank. Target K/V and their scales are always sharded.
+heads_per_rank == total_heads). The sparse index key and its scale are always whole (1 head of 1); a
+draft region may be either: the ATOM_DSPARK draft runs whole on every TP rank, so its pool holds
+every draft KV head on every rank. Target K/V and their scales are always sharded.
 
 Nothing here imports torch or SGLang.
 """
