@@ -54,7 +54,7 @@ def tap_layers(num_layers: int) -> list[int]:
 
 
 def draft_config(shape: dict, block: int, max_pos: int):
-    from sgl_atom.spec.dspark.config import DSparkDraftConfig
+    from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 
     hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
     cfg = DSparkDraftConfig(
@@ -85,7 +85,7 @@ def write_drafts(model: str, shape: dict, blocks: list[int], root: Path, max_pos
     import torch
     from safetensors.torch import save_file
 
-    from sgl_atom.spec.dspark.weights import init_draft_weights
+    from sgl_atom.speculative.dspark.weights import init_draft_weights
 
     weights_file = root / f"dspark-{model}.safetensors"
     paths = {}
@@ -111,7 +111,7 @@ def write_drafts(model: str, shape: dict, blocks: list[int], root: Path, max_pos
 def spec_server_args(draft: Path, draft_kv: str, forced: int) -> list[str]:
     """ATOM_DSPARK with ``draft``, its KV pool at ``draft_kv`` (bf16 / fp8, given to SGLang's
     own flag in its spelling: bf16 / fp8_e4m3), ``forced`` drafts committed per verify."""
-    from sgl_atom.spec.draft_kv_dtype import to_sglang_dtype
+    from sgl_atom.speculative.draft_kv_dtype import to_sglang_dtype
 
     return [
         "--speculative-algorithm",

@@ -44,8 +44,8 @@ def register() -> list[str]:
 def _register_all() -> list[str]:
     from . import attention, patches
     from .disagg import backend as disagg_backend
-    from .spec import draft_kv_dtype
-    from .spec.dspark import algorithm as dspark_algorithm
+    from .speculative import draft_kv_dtype
+    from .speculative.dspark import algorithm as dspark_algorithm
 
     names = attention.register()
     names += draft_kv_dtype.register()

@@ -3,7 +3,8 @@
 Features keep buffers beside an SGLang token pool, indexed by the pool's own slot ids: the atom
 backend's fp8 scales (:class:`sgl_atom.attention.kv_scales.KVScales`), the M3 index cache
 (:class:`sgl_atom.attention.sparse.IndexCache`), and the own KV pool of a speculative draft that
-the P/D transfer backend moves with the target's (:class:`sgl_atom.spec.dspark.pool.DraftKVPool`).
+the P/D transfer backend moves with the target's
+(:class:`sgl_atom.speculative.dspark.pool.DraftKVPool`).
 They hang off the pool object in one :class:`PoolState` (the only attribute sgl_atom sets on a
 pool, set and read only in this module), so every backend reading one pool shares them and they
 go with the pool. The P/D backend, which SGLang hands raw buffer addresses rather than the pool,

@@ -2,16 +2,16 @@
 
 Registered with SGLang's model registry when ``SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models``
 (the draft checkpoint's ``architectures[0]`` names it). The ``ATOM_DSPARK`` speculative worker
-(:mod:`sgl_atom.spec.dspark.worker`) builds it through the registry and drives its two entry
+(:mod:`sgl_atom.speculative.dspark.worker`) builds it through the registry and drives its two entry
 points; neither runs through SGLang's ModelRunner, because the draft keeps its own KV pool
-(:class:`sgl_atom.spec.dspark.pool.DraftKVPool`) at the settled draft KV dtype:
+(:class:`sgl_atom.speculative.dspark.pool.DraftKVPool`) at the settled draft KV dtype:
 
 * :meth:`context_kv` — the draft layers' K/V of tokens the target just ran, from their taps;
 * :meth:`propose` — one non-causal pass over ``[anchor, MASK x (k-1)]`` for every request of a
   batch at once, refined left to right by the low-rank Markov head.
 
-The math is :mod:`sgl_atom.spec.dspark.reference`'s (the float64 test oracle). Here every table
-lives on the inputs' device (RoPE cos/sin cached per device and dtype, grown on demand), and a
+The math is :mod:`sgl_atom.speculative.dspark.reference`'s (the float64 test oracle). Here every
+table lives on the inputs' device (RoPE cos/sin cached per device and dtype, grown on demand), and a
 draft layer's block attention is one paged-attention call: the block's K/V go to the pool's
 scratch rows, which the page table places right after each request's context, and the atom
 ``verify`` kernel with ``causal=False`` lets every block row see context and block
@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.config import DSparkDraftConfig
-from sgl_atom.spec.dspark.markov import markov_refine
-from sgl_atom.spec.dspark.weights import check_draft_weights
+from sgl_atom.speculative.dspark import reference as ref
+from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+from sgl_atom.speculative.dspark.markov import markov_refine
+from sgl_atom.speculative.dspark.pool import attention_q_dtype
+from sgl_atom.speculative.dspark.weights import check_draft_weights
 
 MIN_ROPE_POSITIONS = 4096  # first RoPE table length; it doubles past the positions asked for
 
@@ -130,8 +131,9 @@ class AtomDSparkDraftModel(nn.Module):
         k, v = self._kv(i, h, blk.positions, blk.max_pos)
         blk.pool.write(i, blk.scratch, k, v)
         ks, vs = blk.pool.scales(i)
+        qa = q.to(attention_q_dtype(blk.pool.k_all[i].dtype, q.dtype))
         attn = blk.ops.block(
-            q,
+            qa,
             blk.pool.k_all[i],
             blk.pool.v_all[i],
             blk.page_table,
@@ -139,10 +141,10 @@ class AtomDSparkDraftModel(nn.Module):
             1,
             cfg.head_dim**-0.5,
             cfg.query_len,
-            torch.empty_like(q),
+            torch.empty_like(qa),
             ks,
             vs,
-        )
+        ).to(q.dtype)
         x = x + attn.reshape(x.shape[0], -1) @ self.w[p + "self_attn.o_proj.weight"].T
         h = self._norm(x, p + "post_attention_layernorm.weight")
         gate = h @ self.w[p + "mlp.gate_proj.weight"].T
@@ -168,8 +170,8 @@ class AtomDSparkDraftModel(nn.Module):
         anchors [batch]: each request's last committed token, at position n_b = context_lens[b];
         page_table [batch, >= max n_b + k] int32 page-size-1 table into ``pool``: columns
         0..n_b-1 the context rows, n_b..n_b+k-1 ``pool.scratch_rows(batch)[b]``
-        (:func:`sgl_atom.spec.dspark.pool.block_page_table`); pool: the draft's
-        :class:`~sgl_atom.spec.dspark.pool.DraftKVPool`, whose scratch rows this overwrites;
+        (:func:`sgl_atom.speculative.dspark.pool.block_page_table`); pool: the draft's
+        :class:`~sgl_atom.speculative.dspark.pool.DraftKVPool`, whose scratch rows this overwrites;
         embed, lm_head: the target's [vocab, hidden] matrices; max_context: max n_b if the host
         knows it. Nothing but the scratch rows is written.
         """

@@ -302,7 +302,7 @@ class M3DecoderLayer(nn.Module):
 
     def forward(self, positions, h, residual, forward_batch, capture_output=None):
         """``capture_output``, when given, receives the residual stream entering this layer (the
-        previous layer's output), borrowed (Llama's hook name: sgl_atom.spec.dspark.pp_taps
+        previous layer's output), borrowed (Llama's hook name: sgl_atom.speculative.dspark.pp_taps
         wraps it on earlier pipeline stages)."""
         if residual is None:
             residual, x = h, self.input_layernorm(h)
@@ -323,7 +323,7 @@ class StageTaps(dict):
     output): every armed tap is captured on exactly one stage. A stage that is not the last
     leaves them in :attr:`MiniMaxM3SparseForCausalLM.stage_taps`; the last stage hands the
     LogitsProcessor, in HF order, its own and those given as ``carried_taps``, and only those
-    (as SGLang's Llama: a relay such as sgl_atom.spec.dspark.pp_taps puts the earlier stages'
+    (as SGLang's Llama: a relay such as sgl_atom.speculative.dspark.pp_taps puts the earlier stages'
     taps before them). Carrying taps between stages is not done here.
     """
 

@@ -196,7 +196,7 @@ LEDGER: tuple[LedgerEntry, ...] = (
             "target's bytes per token whatever the draft's KV dtype, so an fp8 draft under a "
             "bf16 target gets fewer KV tokens than fit; the ATOM_DSPARK draft pool is unknown "
             "to SGLang. One AFTER hook calls the features that own those bytes "
-            "(attention.kv_scales, spec.draft_kv_pricing), which add or re-price them."
+            "(attention.kv_scales, speculative.draft_kv_pricing), which add or re-price them."
         ),
         upstream=(
             "sglang 0.5.23 srt/model_executor/pool_configurator.py DefaultPoolConfigurator."
@@ -375,7 +375,7 @@ _NGRAM_WHY = (
     "__init__ (the n-gram corpus), so it sets the attributes NGRAMWorker's methods read"
 )
 _CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
-_PRICING = "sgl_atom.attention.kv_scales, sgl_atom.spec.draft_kv_pricing"
+_PRICING = "sgl_atom.attention.kv_scales, sgl_atom.speculative.draft_kv_pricing"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
@@ -393,24 +393,28 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "sglang.srt.arg_groups.resolution_hooks._HOOKS",
         "module global",
-        "sgl_atom.spec.draft_kv_resolution (install), sgl_atom.spec.dspark.forced_accept",
+        "sgl_atom.speculative.draft_kv_resolution (install), "
+        "sgl_atom.speculative.dspark.forced_accept",
         "register_resolution_hook appends every call; the registry is read to register once",
     ),
     PrivateName(
         f"{_NGRAM}._prepare_for_speculative_decoding",
         "method",
-        "sgl_atom.spec.dspark.worker",
+        "sgl_atom.speculative.dspark.worker",
         "builds the verify input (tree mask, positions, cache locs) from _prepare_draft_tokens",
     ),
     PrivateName(
         f"{_NGRAM}._prepare_draft_tokens",
         "method",
-        "sgl_atom.spec.dspark.worker",
+        "sgl_atom.speculative.dspark.worker",
         "overridden: the DSpark draft's tokens and a chain mask instead of n-gram matches",
     ),
     *(
         PrivateName(
-            f"{_NGRAM}.{attr}", "instance attribute", "sgl_atom.spec.dspark.worker", _NGRAM_WHY
+            f"{_NGRAM}.{attr}",
+            "instance attribute",
+            "sgl_atom.speculative.dspark.worker",
+            _NGRAM_WHY,
         )
         for attr in (
             "_target_worker",
@@ -436,13 +440,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         f"{_CONFIGURATOR}._fixed_overhead_bytes",
         "instance attribute",
-        "sgl_atom.spec.draft_kv_pricing",
+        "sgl_atom.speculative.draft_kv_pricing",
         "subtracted from the budget to log the tokens the draft's dtype gains",
     ),
     PrivateName(
         f"{_CONFIGURATOR}._compute_cell_size",
         "method",
-        "sgl_atom.spec.draft_kv_pricing",
+        "sgl_atom.speculative.draft_kv_pricing",
         "the target's own per-token bytes, to split the draft term off the cell size",
     ),
     PrivateName(
@@ -469,16 +473,39 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "sgl_atom.disagg.conn",
         "the decode side's heartbeat to its prefill peers, as SGLang's own backends start it",
     ),
+    *(
+        PrivateName(
+            f"sglang.srt.disaggregation.common.conn.CommonKVManager.{attr}",
+            kind,
+            "sgl_atom.disagg.heartbeat (through sgl_atom.disagg.conn)",
+            "the transfer-session heartbeat fails a silent peer's rooms through SGLang's own "
+            "node-failure path and sends on SGLang's per-peer control sockets",
+        )
+        for attr, kind in (
+            ("_handle_node_failure", "method"),
+            ("_connect", "method"),
+            ("_socket_send_locks", "instance attribute"),
+            ("connection_pool", "instance attribute"),
+            ("connection_lock", "instance attribute"),
+            ("addr_to_rooms_tracker", "instance attribute"),
+        )
+    ),
+    PrivateName(
+        "sglang.srt.disaggregation.common.conn.CommonKVReceiver._connect",
+        "method",
+        "sgl_atom.disagg.conn",
+        "the decode side's control socket to a prefill rank, cached as SGLang's receivers do",
+    ),
     PrivateName(
         "sglang.srt.server_args.ServerArgs._sgl_atom_cli",
         "set by sgl_atom",
-        "sgl_atom.patches.prepare_server_args, sgl_atom.spec.draft_kv_resolution",
+        "sgl_atom.patches.prepare_server_args, sgl_atom.speculative.draft_kv_resolution",
         "sgl_atom's flag values; a _-prefixed non-field attribute survives the pickle",
     ),
     PrivateName(
         "sglang.srt.server_args.ServerArgs._sgl_atom_draft_kv",
         "set by sgl_atom",
-        "sgl_atom.spec.draft_kv_resolution and every reader of the settled draft dtype",
+        "sgl_atom.speculative.draft_kv_resolution and every reader of the settled draft dtype",
         "the settled draft KV dtype; a _-prefixed non-field attribute survives the pickle",
     ),
     PrivateName(

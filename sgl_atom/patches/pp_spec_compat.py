@@ -5,8 +5,8 @@ SGLang 0.5.23's ``check_pipeline_parallel_compat`` asserts that a speculative al
 runs the original with the speculative algorithm hidden when it is ``ATOM_DSPARK``, so every
 other PP check (overlap schedule off, no --min-free-slots-delay) still runs, and leaves the
 algorithm's own PP rules to ``AtomDSparkAlgo.handle_server_args``
-(:func:`sgl_atom.spec.dspark.algorithm.check_pipeline_parallel`: P/D prefill only). Every other
-algorithm goes to the original unchanged. Ledger: ``sgl_atom.patches.LEDGER``.
+(:func:`sgl_atom.speculative.dspark.algorithm.check_pipeline_parallel`: P/D prefill only).
+Every other algorithm goes to the original unchanged. Ledger: ``sgl_atom.patches.LEDGER``.
 """
 
 from __future__ import annotations

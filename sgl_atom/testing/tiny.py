@@ -122,8 +122,8 @@ def _dspark(out: Path, vocab: int, spec: dict) -> None:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
-    from sgl_atom.spec.dspark.config import DSparkDraftConfig
-    from sgl_atom.spec.dspark.weights import init_draft_weights
+    from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+    from sgl_atom.speculative.dspark.weights import init_draft_weights
 
     target = spec["target"]
     mask_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(spec["mask_token"])

@@ -35,7 +35,7 @@ from test_disagg_serving import DECODE_ARGS, DECODE_ENV, PD_ENV, _tpf, prefill_a
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark.algorithm import NAME
+from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_M3_CHAIN, tiny
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port

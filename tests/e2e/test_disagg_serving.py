@@ -34,7 +34,7 @@ from e2e_utils import listening_sockets, word_prompts
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark.algorithm import NAME
+from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port

@@ -17,7 +17,7 @@ import pytest
 from e2e_utils import word_prompts
 
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark.algorithm import NAME
+from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.server import Server, ServerStartError
 

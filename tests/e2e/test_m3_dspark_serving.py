@@ -20,7 +20,7 @@ import pytest
 from e2e_utils import word_prompts
 
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark.algorithm import NAME
+from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_M3_CHAIN, tiny
 
 PROMPTS = word_prompts(8, seed=11, min_words=4, max_words=16)

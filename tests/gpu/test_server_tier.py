@@ -164,7 +164,7 @@ def chain_baseline(gpu_servers):
 )
 @pytest.mark.parametrize("draft_dtype", ["bf16", "fp8"])
 def test_dspark_lossless_on_gpu(gpu_servers, chain_baseline, draft_dtype):
-    from sgl_atom.spec.dspark.algorithm import NAME
+    from sgl_atom.speculative.dspark.algorithm import NAME
 
     target, want = chain_baseline
     spec = [

@@ -35,7 +35,7 @@ def _pool(layers=4, slots=33, heads=2, head_dim=64, dtype=torch.float16, start=0
 
 
 def _draft(dtype: str, layers=2, slots=33, heads=2, head_dim=64):
-    from sgl_atom.spec.dspark.pool import DraftKVPool
+    from sgl_atom.speculative.dspark.pool import DraftKVPool
 
     return DraftKVPool(
         slots=slots, layers=layers, kv_heads=heads, head_dim=head_dim, dtype=dtype, device="cpu"
@@ -296,7 +296,7 @@ def test_dspark_decode_first_step_input_is_what_an_extend_returns(monkeypatch):
     """A P/D decode server's prebuilt batch gets the worker's after-extend verify input."""
     import sglang.srt.runtime_context as rc
 
-    from sgl_atom.spec.dspark.algorithm import AtomDSparkAlgo
+    from sgl_atom.speculative.dspark.algorithm import AtomDSparkAlgo
 
     monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=5))
     batch = SimpleNamespace(

@@ -22,7 +22,7 @@ from sgl_atom.disagg.plan import plan_transfer
 from sgl_atom.disagg.pool_regions import PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionKind
 from sgl_atom.parallel_layout import heads_of_rank
-from sgl_atom.spec.dspark.pool import DraftKVPool
+from sgl_atom.speculative.dspark.pool import DraftKVPool
 
 K = RegionKind
 TARGET_HEADS, DRAFT_HEADS = 2, 2

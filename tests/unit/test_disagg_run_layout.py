@@ -27,9 +27,9 @@ from dspark_training import distill
 from dspark_training.anchors import accept_walk
 from dspark_training.llama_target import LlamaTarget
 from sgl_atom.disagg import HandshakeError, RegionDesc, build_rank_regions, plan_transfer
-from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.accept import SpecStats
-from sgl_atom.spec.dspark.markov import markov_refine
+from sgl_atom.speculative.dspark import reference as ref
+from sgl_atom.speculative.dspark.accept import SpecStats
+from sgl_atom.speculative.dspark.markov import markov_refine
 from sgl_atom.testing import ASSETS, DSPARK_CHAIN
 
 PAGE, RUNS = 128, 8  # the producer's real layout: 128-token pages of 8 page-16 runs

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_atom.spec import draft_kv_budget as budget
-from sgl_atom.spec import draft_kv_dtype as dk
-from sgl_atom.spec.draft_kv_dtype import ALIAS_FLAG, SGLANG_FLAG, DraftKVDtypeError
+from sgl_atom.speculative import draft_kv_budget as budget
+from sgl_atom.speculative import draft_kv_dtype as dk
+from sgl_atom.speculative.draft_kv_dtype import ALIAS_FLAG, SGLANG_FLAG, DraftKVDtypeError
 
 _LLAMA = dict(
     architectures=["LlamaForCausalLM"],
@@ -268,7 +268,7 @@ def hooked():
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sgl_atom.patches import cli_args, pool_budget, prepare_server_args
-    from sgl_atom.spec import draft_kv_resolution
+    from sgl_atom.speculative import draft_kv_resolution
 
     originals = [
         (sa_mod.ServerArgs, "add_cli_args"),
@@ -334,7 +334,7 @@ def _resolve(server_args, final_algorithm=None):
     """Our hook around a stand-in for SGLang's step (which settles the algorithm name)."""
     from sglang.srt.arg_groups.overrides import declare_resolution
 
-    from sgl_atom.spec.draft_kv_resolution import draft_kv_config, settle_draft_kv
+    from sgl_atom.speculative.draft_kv_resolution import draft_kv_config, settle_draft_kv
 
     def previous(sa):
         if final_algorithm:
@@ -442,7 +442,7 @@ def test_budget_hook_reprices_an_eagle_draft(monkeypatch, caplog):
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sgl_atom.spec import draft_kv_pricing as hook
+    from sgl_atom.speculative import draft_kv_pricing as hook
 
     monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(enable_hisparse=False))
     layer = budget.kv_bytes_per_token("bf16", kv_heads=8, head_dim=128)

@@ -10,15 +10,15 @@ import json
 import pytest
 import torch
 
-from sgl_atom.spec.dspark import (
+from sgl_atom.speculative.dspark import (
     DSparkConfigError,
     DSparkDraftConfig,
     SpecStats,
     greedy_accept,
     markov_refine,
 )
-from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.weights import check_draft_weights, draft_weight_shapes
+from sgl_atom.speculative.dspark import reference as ref
+from sgl_atom.speculative.dspark.weights import check_draft_weights, draft_weight_shapes
 from sgl_atom.testing import tiny
 
 # ---------------------------------------------------------------- config

@@ -15,7 +15,7 @@ import torch
 from dspark_training import anchors, distill, train_target
 from dspark_training.llama_target import LlamaTarget
 from sgl_atom.cpu_mode import cache_dir
-from sgl_atom.spec.dspark import reference as ref
+from sgl_atom.speculative.dspark import reference as ref
 from sgl_atom.testing import ASSETS, DSPARK_CHAIN, DSPARK_M3_CHAIN, tiny
 
 CHAIN_TARGET = ASSETS / "llama-chain-target"  # trained on a sparse order-2 word chain

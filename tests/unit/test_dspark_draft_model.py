@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from sgl_atom.models.dspark_draft import AtomDSparkDraftModel
-from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.markov import markov_refine
-from sgl_atom.spec.dspark.pool import DraftKVPool, block_page_table
-from sgl_atom.spec.dspark.weights import init_draft_weights
+from sgl_atom.speculative.dspark import reference as ref
+from sgl_atom.speculative.dspark.markov import markov_refine
+from sgl_atom.speculative.dspark.pool import DraftKVPool, block_page_table
+from sgl_atom.speculative.dspark.weights import init_draft_weights
 from sgl_atom.testing import DSPARK_CHAIN
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))  # the kernel tests' helpers
@@ -236,3 +236,23 @@ def test_pool_round_trip(dtype):
     elements = 2 * 2 * 2 * 64  # K and V, 2 layers, 2 KV heads, head_dim 64
     per_token = elements * 2 if dtype == "bf16" else elements + 2 * 2 * 2 * 4  # + fp32 scales
     assert pool.bytes_per_token == per_token
+
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+def test_bf16_pool_under_an_fp16_draft(model, monkeypatch, kernels):
+    """An fp16 target (SGLang's default for a float32 checkpoint) with a bf16 draft pool: the
+    block attention runs in the pool's dtype (the kernels take 16-bit K/V in q's dtype only)."""
+    from sgl_atom.speculative.dspark.pool import check_block_attention
+
+    monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", kernels)
+    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
+    m.load_weights(model.w.items())
+    m.place("cpu", torch.float16)
+    case = Case(m, "bf16", seed=13)
+    assert case.pool.k_all[0].dtype == torch.bfloat16 and case.pool.compute_dtype == torch.float16
+    check_block_attention(m.dspark, case.pool)  # no refusal
+    case.write_context(m)
+    base = m.base_logits(**case.pass_args(m))
+    want = case.reference(model.w, model.dspark)
+    for b, n in enumerate(case.LENS):
+        assert_close_rel(base[b], want[b], TOL["bf16"], what=f"base logits, context {n}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgl_atom.patches import prepare_server_args
-from sgl_atom.spec.dspark import forced_accept as fa
+from sgl_atom.speculative.dspark import forced_accept as fa
 
 
 @pytest.mark.parametrize(

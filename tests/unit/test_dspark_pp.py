@@ -15,9 +15,9 @@ from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 from torch import nn
 
 from sgl_atom.patches.pp_spec_compat import pp_compat_with_atom_dspark
-from sgl_atom.spec.dspark import loader
-from sgl_atom.spec.dspark.algorithm import NAME, AtomDSparkAlgo, _worker_factory
-from sgl_atom.spec.dspark.pp_taps import (
+from sgl_atom.speculative.dspark import loader
+from sgl_atom.speculative.dspark.algorithm import NAME, AtomDSparkAlgo, _worker_factory
+from sgl_atom.speculative.dspark.pp_taps import (
     RELAY_KEY,
     StageTapRelay,
     assemble_taps,

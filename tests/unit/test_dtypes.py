@@ -7,7 +7,7 @@ import torch
 
 from sgl_atom import dtypes
 from sgl_atom.disagg.regions import RegionError, canonical_dtype
-from sgl_atom.spec import draft_kv_dtype as dk
+from sgl_atom.speculative import draft_kv_dtype as dk
 
 
 @pytest.mark.parametrize("d", dtypes.DTYPES, ids=lambda d: d.short)

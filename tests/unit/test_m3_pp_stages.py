@@ -142,8 +142,8 @@ def test_stage_models_leave_taps_by_hf_layer_and_the_last_packs_them_in_order(id
 
 
 def test_a_relay_can_wrap_the_layers_capture_hook(ids):
-    """sgl_atom.spec.dspark.pp_taps replaces a layer's ``capture_output`` keyword on an earlier
-    stage; the model passes its hook by that keyword."""
+    """sgl_atom.speculative.dspark.pp_taps replaces a layer's ``capture_output`` keyword on an
+    earlier stage; the model passes its hook by that keyword."""
     whole = _model()
     first = _stage(whole, 0, SPLIT)
     seen = []

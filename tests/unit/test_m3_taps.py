@@ -18,7 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from torch import nn
 
 from sgl_atom.models.minimax_m3 import M3DecoderLayer, M3Model, MiniMaxM3SparseForCausalLM
-from sgl_atom.spec.dspark.loader import arm_taps
+from sgl_atom.speculative.dspark.loader import arm_taps
 
 HIDDEN, LAYERS, VOCAB, TOKENS, EPS = 16, 4, 37, 7, 1e-6
 

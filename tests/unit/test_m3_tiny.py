@@ -164,8 +164,8 @@ def test_reference_scores_pick_free_blocks_and_reused_layers_share(ckpt, prompt)
 def test_m3_dspark_draft_fits_the_m3_target(ckpt, cfg, tmp_path):
     from safetensors.torch import load_file
 
-    from sgl_atom.spec.dspark.config import DSparkDraftConfig
-    from sgl_atom.spec.dspark.weights import check_draft_weights
+    from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+    from sgl_atom.speculative.dspark.weights import check_draft_weights
 
     draft = tiny.build(tmp_path / "m3-dspark", "m3-dspark", log=lambda _: None)
     hf = json.loads((draft / "config.json").read_text())

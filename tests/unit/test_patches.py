@@ -81,7 +81,7 @@ def test_install_is_the_only_place_that_registers_hooks():
         and "patches" not in p.parts
     ]
     # the plugin calls patches.install(); the others install no HookRegistry hook
-    assert sorted(callers) == ["sgl_atom/plugin.py", "sgl_atom/spec/draft_kv_dtype.py"]
+    assert sorted(callers) == ["sgl_atom/plugin.py", "sgl_atom/speculative/draft_kv_dtype.py"]
 
 
 # --- hooks SGLang did not apply fail start-up -----------------------------------------------

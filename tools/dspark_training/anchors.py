@@ -2,7 +2,7 @@
 
 A draft pass at anchor ``n`` of a sequence reads the context K/V of positions ``0..n-1`` (from
 the target's taps) and the block ``[ids[n], MASK x (k-1)]`` at positions ``n..n+k-1``
-(:func:`sgl_atom.spec.dspark.reference.reference_base_logits`). Passes at different anchors
+(:func:`sgl_atom.speculative.dspark.reference.reference_base_logits`). Passes at different anchors
 share the context K/V and differ only in how much of it they see, so one batched forward
 serves all of them: block rows ``[B, A, query_len]`` attend to the ``[B, L]`` context rows
 below their anchor (a mask) and to their own block (no mask). Used for training (the
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.accept import SpecStats
-from sgl_atom.spec.dspark.config import DSparkDraftConfig
-from sgl_atom.spec.dspark.markov import markov_refine
+from sgl_atom.speculative.dspark import reference as ref
+from sgl_atom.speculative.dspark.accept import SpecStats
+from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+from sgl_atom.speculative.dspark.markov import markov_refine
 
 _ROPE: dict = {}
 

@@ -18,7 +18,7 @@ the Markov head (``logits_j = U_j + W1[y_{j-1}] W2^T``, ``y_{-1}`` = the anchor)
 block position j is accepted only when the j before it were, and then the refinement walked
 exactly those. Every draft tensor is trained (AdamW, warm-up then cosine decay); the target's
 embedding and LM head stay frozen. The forward is the reference one
-(:mod:`sgl_atom.spec.dspark.reference`), batched.
+(:mod:`sgl_atom.speculative.dspark.reference`), batched.
 
 Measurement, on prompts disjoint from training: :func:`evaluate` runs the step-by-step
 speculative loop (draft proposes k tokens, the transformers target verifies them greedily),
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
-from sgl_atom.spec.dspark import reference as ref
-from sgl_atom.spec.dspark.accept import SpecStats, greedy_accept
-from sgl_atom.spec.dspark.config import DSparkDraftConfig
-from sgl_atom.spec.dspark.weights import check_draft_weights
+from sgl_atom.speculative.dspark import reference as ref
+from sgl_atom.speculative.dspark.accept import SpecStats, greedy_accept
+from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+from sgl_atom.speculative.dspark.weights import check_draft_weights
 
 from .anchors import speculative_counts, teacher_forced_loss
 from .llama_target import LlamaTarget

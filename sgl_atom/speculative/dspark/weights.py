@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_atom.spec.dspark.config import DSparkDraftConfig
+from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 
 
 def draft_weight_shapes(cfg: DSparkDraftConfig) -> dict[str, tuple[int, ...]]:

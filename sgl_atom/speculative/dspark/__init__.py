@@ -8,9 +8,9 @@ worker (:mod:`.worker`), the draft loader (:mod:`.loader`) and the draft's own K
 (:mod:`.pool`) — is imported only by the plugin and SGLang.
 """
 
-from sgl_atom.spec.dspark.accept import Acceptance, SpecStats, greedy_accept
-from sgl_atom.spec.dspark.config import DSparkConfigError, DSparkDraftConfig
-from sgl_atom.spec.dspark.markov import markov_refine, markov_step_logits
+from sgl_atom.speculative.dspark.accept import Acceptance, SpecStats, greedy_accept
+from sgl_atom.speculative.dspark.config import DSparkConfigError, DSparkDraftConfig
+from sgl_atom.speculative.dspark.markov import markov_refine, markov_step_logits
 
 __all__ = [
     "Acceptance",

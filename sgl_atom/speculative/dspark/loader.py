@@ -5,7 +5,7 @@ The taps are the draft config's ``dspark_target_layer_ids`` (a declared tap set)
 may instead pick and arm the target's taps itself (a ``arm_target_taps(target)`` method, as
 EAGLE3 heads do); such a draft is refused under pipeline parallelism, where the earlier stages
 must know from the config alone which layers to send to the last stage
-(:mod:`sgl_atom.spec.dspark.pp_taps`).
+(:mod:`sgl_atom.speculative.dspark.pp_taps`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ... import envs
 from ...log import get_logger
 
-logger = get_logger("sgl_atom.spec")
+logger = get_logger("sgl_atom.speculative")
 PACKAGE_HINT = "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"
 MODEL_ARMED = "arm_target_taps"  # a draft class method that picks and arms the taps itself
 
@@ -88,7 +88,7 @@ def relay_stage_taps(path: str | None, target: torch.nn.Module, pp_size: int):
     """On a pipeline stage before the last: no draft, only its taps sent on to the last stage.
 
     Reads the draft config (not its weights) and returns the installed
-    :class:`~sgl_atom.spec.dspark.pp_taps.StageTapRelay`.
+    :class:`~sgl_atom.speculative.dspark.pp_taps.StageTapRelay`.
     """
     from .config import DSparkDraftConfig
     from .pp_taps import StageTapRelay

@@ -26,7 +26,7 @@ from .draft_kv_dtype import (
     to_sglang_dtype,
 )
 
-logger = get_logger("sgl_atom.spec")
+logger = get_logger("sgl_atom.speculative")
 
 STEP = "handle_speculative_decoding"
 ATTR = "_sgl_atom_draft_kv"

@@ -133,11 +133,21 @@ def block_page_table(
     return table.scatter_(1, cols, scratch.to(torch.int32))
 
 
+def attention_q_dtype(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> torch.dtype:
+    """The query dtype of a draft layer's block attention: the pool's own for a 16-bit pool of
+    another dtype (a bf16 draft pool under an fp16 target: the kernels take K/V in q's dtype or
+    fp8), else the draft's compute dtype."""
+    if kv_dtype in (torch.bfloat16, torch.float16) and kv_dtype != q_dtype:
+        return kv_dtype
+    return q_dtype
+
+
 def check_block_attention(cfg, pool: DraftKVPool) -> None:
     """Refuse, at start-up, a draft whose block attention the atom kernels cannot run."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     kv_dtype = pool.k_all[0].dtype
-    why = unsupported_reason(cfg.head_dim, 1, kv_dtype, pool.compute_dtype, group)
+    q_dtype = attention_q_dtype(kv_dtype, pool.compute_dtype)
+    why = unsupported_reason(cfg.head_dim, 1, kv_dtype, q_dtype, group)
     if why is None and cfg.query_len * group > MAX_BLOCK_ROWS:
         why = (
             f"its block of {cfg.query_len} rows x GQA group {group} exceeds the "

@@ -24,8 +24,8 @@ gather the target's embedding and LM head.
 Under ``--pp-size`` > 1 (P/D prefill only, see ``algorithm.check_pipeline_parallel``) SGLang
 builds this worker on every stage. Only the last stage loads the draft and its pool; an earlier
 stage runs the target step alone and sends its taps on with the pipeline payload
-(:mod:`sgl_atom.spec.dspark.pp_taps`); the last stage puts them before its own. No stage runs a
-draft warm-up or an idle forward of its own (the draft runs eagerly, captures no graph, and a
+(:mod:`sgl_atom.speculative.dspark.pp_taps`); the last stage puts them before its own. No stage
+runs a draft warm-up or an idle forward of its own (the draft runs eagerly, captures no graph, and a
 prefill server has no DP attention), so every stage runs exactly the forwards the scheduler
 gives the last stage: SGLang's warm-up request and real batches, on the same rows.
 """
@@ -53,7 +53,7 @@ from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool, block_page_table, check_block_attention
 from .pp_taps import assemble_taps, stage_layers, taps_on_stage
 
-logger = get_logger("sgl_atom.spec")
+logger = get_logger("sgl_atom.speculative")
 LOG_EVERY = 32  # verify steps between two acceptance log lines
 
 

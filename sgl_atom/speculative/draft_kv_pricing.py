@@ -2,7 +2,7 @@
 
 Two pricings, called by the AFTER hook on ``create_memory_pool_configurator``
 (``sgl_atom.patches.pool_budget``), both reading the settled dtype
-(``server_args._sgl_atom_draft_kv``, :mod:`sgl_atom.spec.draft_kv_resolution`):
+(``server_args._sgl_atom_draft_kv``, :mod:`sgl_atom.speculative.draft_kv_resolution`):
 
 * :func:`reprice_draft`: SGLang 0.5.23's ``DefaultPoolConfigurator`` reserves an
   EAGLE/STANDALONE draft's layers at the TARGET's bytes per token, whatever
@@ -14,7 +14,7 @@ Two pricings, called by the AFTER hook on ``create_memory_pool_configurator``
   about) is added at the settled dtype, so the target pool shrinks by exactly what it takes.
 
 Both log the draft pool's bytes and the token capacity gained once the pool is sized. The
-arithmetic is :mod:`sgl_atom.spec.draft_kv_budget`.
+arithmetic is :mod:`sgl_atom.speculative.draft_kv_budget`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..attention.kv_scales import target_layers
 from ..log import get_logger
 from .draft_kv_budget import budget_line, draft_budget, kv_bytes_per_token
 
-logger = get_logger("sgl_atom.spec")
+logger = get_logger("sgl_atom.speculative")
 
 
 def _upstream_skips(kvc) -> str | None:

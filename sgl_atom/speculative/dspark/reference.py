@@ -16,7 +16,7 @@ One sequence at a time; every tensor in the dtype of the weights given. Three st
    target's embedding and run through the draft layers (pre-norm Qwen3 layers: q/k norms, RoPE,
    GQA, SwiGLU). Block queries attend to the n context rows and to all block rows, with no
    causal mask inside the block, and to nothing else. ``norm`` and the target's LM head give
-   the base logits U [k, vocab]; :func:`sgl_atom.spec.dspark.markov.markov_refine` turns them
+   the base logits U [k, vocab]; :func:`sgl_atom.speculative.dspark.markov.markov_refine` turns them
    into draft tokens.
 """
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_atom.spec.dspark.config import DSparkDraftConfig
-from sgl_atom.spec.dspark.markov import markov_refine
+from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+from sgl_atom.speculative.dspark.markov import markov_refine
 
 Weights = dict[str, torch.Tensor]
 

@@ -24,7 +24,7 @@ def check_pipeline_parallel(server_args) -> None:
     """``--pp-size`` > 1: only a P/D prefill server, whose draft never proposes.
 
     There the draft (on the last stage) only writes its context K/V, from taps that the earlier
-    stages send along with the pipeline payload (:mod:`sgl_atom.spec.dspark.pp_taps`). A
+    stages send along with the pipeline payload (:mod:`sgl_atom.speculative.dspark.pp_taps`). A
     unified or decode server would verify under PP, which this worker does not do.
     """
     pp, mode = server_args.pp_size, server_args.disaggregation_mode
