@@ -208,7 +208,9 @@ def decode_fwd_keys_major_kernel(
     PV_KEYS_MAJOR: tl.constexpr,
 ):
     """`decode_fwd_kernel` with the key tile as the first dot operand (`attend_tile_keys_major`):
-    same grid, inputs and outputs."""
+    same grid, inputs and outputs. The two stay side by side only until the H200 sweep
+    (benchmarks/tune_decode_keys_major.py) says which is faster at the server shapes; then the
+    slower one goes."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
