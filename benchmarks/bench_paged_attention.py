@@ -25,10 +25,10 @@ HQ, HKV, D = 32, 4, 128
 FP8 = torch.float8_e4m3fn
 
 
-def paged(batch, ctx, page, fp8):
+def paged(batch, ctx, page, fp8, kv_heads=HKV):
     """Pages of all sequences in shuffled order; returns caches, scales, table, lens."""
     pages = batch * (ctx // page)
-    shape = (pages * page, HKV, D)
+    shape = (pages * page, kv_heads, D)
     k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     ks = vs = None
@@ -43,8 +43,8 @@ def paged(batch, ctx, page, fp8):
     return k, v, ks, vs, table, lens
 
 
-def kv_bytes(batch, ctx, fp8):
-    per = HKV * D * (1 if fp8 else 2) + (HKV * 4 if fp8 else 0)
+def kv_bytes(batch, ctx, fp8, kv_heads=HKV):
+    per = kv_heads * D * (1 if fp8 else 2) + (kv_heads * 4 if fp8 else 0)
     return 2 * batch * ctx * per
 
 

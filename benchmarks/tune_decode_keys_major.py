@@ -20,33 +20,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
+from bench_paged_attention import kv_bytes, paged  # noqa: E402
 from common import copy_bandwidth, device_name, format_table, import_kernels, time_ms  # noqa: E402
 
 pa = import_kernels("paged_attention")
-kvq = import_kernels("kv_quant")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-FP8 = torch.float8_e4m3fn
 SHAPES = [(64, 4096), (16, 16384), (128, 2048), (8, 32768), (1, 16384)]
-
-
-def paged(batch: int, ctx: int, fp8: bool):
-    pages = batch * (ctx // PAGE)
-    shape = (pages * PAGE, HKV, D)
-    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    ks = vs = None
-    if fp8:
-        kc, vc = (torch.empty(shape, dtype=FP8, device="cuda") for _ in range(2))
-        ks, vs = (torch.empty(shape[:2], device="cuda") for _ in range(2))
-        kvq.store_kv(k, v, kc, vc, torch.arange(shape[0], device="cuda"), ks, vs)
-        k, v = kc, vc
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, ctx // PAGE)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    return k, v, ks, vs, table, lens
-
-
-def kv_bytes(batch: int, ctx: int, fp8: bool) -> int:
-    return 2 * batch * ctx * HKV * (D * (1 if fp8 else 2) + (4 if fp8 else 0))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -76,7 +55,7 @@ def name(cfg: dict) -> str:
 
 
 def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list) -> None:
-    k, v, ks, vs, table, lens = paged(batch, ctx, fp8)
+    k, v, ks, vs, table, lens = paged(batch, ctx, PAGE, fp8, kv_heads=HKV)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     nb = min(batch, 2)
     ref = pa.reference_decode(q[:nb], k, v, table[:nb], lens[:nb], PAGE, D**-0.5, ks, vs)
@@ -94,7 +73,7 @@ def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list) -
             print(f"  {name(cfg)}: failed ({e!r:.160})", flush=True)
             continue
         base_ms = base_ms or ms
-        gbs = kv_bytes(batch, ctx, fp8) / ms / 1e6
+        gbs = kv_bytes(batch, ctx, fp8, kv_heads=HKV) / ms / 1e6
         kv = "fp8" if fp8 else "bf16"
         print(f"  {kv} b{batch} ctx{ctx} {name(cfg)}: {ms:.4f} ms {gbs:.0f} GB/s "
               f"({gbs / copy:.2f} of copy) x{base_ms / ms:.2f} vs default, err {err:.1e}",
