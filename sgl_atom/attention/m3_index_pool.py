@@ -82,9 +82,8 @@ def skips_sglang_index_pools(kvc: Any) -> str | None:
 def index_cache_bytes_per_token(cfg: SparseConfig, layers: range, index_dtype: torch.dtype) -> int:
     """Bytes per token of the atom index cache on a pool holding ``layers``: one key row of
     ``index_dim`` per scoring sparse layer, plus its fp32 scale when the keys are fp8."""
-    writers = [lid for lid in cfg.sparse_layer_ids if lid in layers and cfg.scores(lid)]
     per_layer = cfg.index_dim * index_dtype.itemsize + (4 if index_dtype.itemsize == 1 else 0)
-    return len(writers) * per_layer
+    return len(cfg.writers(layers)) * per_layer
 
 
 def _sglang_index_bytes_per_token(kvc: Any) -> int:

@@ -142,6 +142,10 @@ class SparseConfig:
             self.ordinal_of[layer_id], self.index_topk_freq, self.index_skip_topk_offset
         )
 
+    def writers(self, layers: range) -> tuple[int, ...]:
+        """The sparse layers among ``layers`` that score, i.e. write and hold index keys."""
+        return tuple(lid for lid in self.sparse_layer_ids if lid in layers and self.scores(lid))
+
 
 @dataclass
 class IndexCache:
@@ -167,7 +171,7 @@ class IndexCache:
         slots = pool.get_key_buffer(start).shape[0]
         device = pool.get_key_buffer(start).device
         held = [lid for lid in cfg.sparse_layer_ids if start <= lid < start + pool.layer_num]
-        writers = tuple(lid for lid in held if cfg.scores(lid))
+        writers = cfg.writers(range(start, start + pool.layer_num))
         fp8 = dtype == torch.float8_e4m3fn
         keys = {
             lid: torch.zeros(slots, cfg.index_dim, dtype=dtype, device=device) for lid in writers
