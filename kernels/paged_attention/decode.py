@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ..common import next_pow2, num_sms
 from .common import (
+    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
@@ -20,6 +21,7 @@ from .common import (
     kv_mode_id,
     on_cpu,
     prepare_q,
+    prepare_q_e4m3,
 )
 
 MAX_SPLITS = 128
@@ -232,8 +234,12 @@ def decode_fwd_keys_major_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
-    q_t = tl.trans(q)
+    if FP8 and KV_MODE == 4:
+        q_t, q_lo_t, qk_scale = prepare_q_e4m3(q, qk_scale, DOT_F32)
+    else:
+        q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
+        q_t = tl.trans(q)
+        q_lo_t = q_t  # unused outside mode 4
     row_limit = seq_len - NUM_Q + tok if CAUSAL else seq_len - 1 + tok * 0
 
     k_base = K + kvh * HEAD_DIM
@@ -246,13 +252,13 @@ def decode_fwd_keys_major_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(start, full_end, BLOCK_N):
         acc_t, m_i, l_i = attend_tile_keys_major(
-            acc_t, m_i, l_i, q_t, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
+            acc_t, m_i, l_i, q_t, q_lo_t, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
             row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
             False, KV_MODE, DOT_F32, PV_KEYS_MAJOR,
         )  # fmt: skip
     for start_n in range(full_end, end, BLOCK_N):
         acc_t, m_i, l_i = attend_tile_keys_major(
-            acc_t, m_i, l_i, q_t, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
+            acc_t, m_i, l_i, q_t, q_lo_t, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
             row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
             True, KV_MODE, DOT_F32, PV_KEYS_MAJOR,
         )  # fmt: skip
@@ -414,6 +420,8 @@ def split_kv_attention(
     if keys_major not in (0, 1, 2):
         raise ValueError(f"keys_major: 0 (off), 1 (K dot) or 2 (K and V dots), got {keys_major}")
     kv_mode = kv_mode_id(kv_mode, q) if fp8 else 0
+    if kv_mode == KV_MODES["e4m3"] and not keys_major:
+        raise ValueError("kv_mode 'e4m3' (fp8 dots) runs in the keys-major kernel: keys_major 1|2")
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     kernel, extra = decode_fwd_kernel, {}
     if keys_major:
