@@ -11,6 +11,6 @@ packages += ["sgl_atom.kernels"] + [f"sgl_atom.kernels.{p}" for p in find_packag
 
 setup(
     packages=packages,
-    package_data={"sgl_atom.csrc": ["*.c"]},
+    package_data={"sgl_atom.csrc": ["*.c"], "sgl_atom.attention": ["tuned/*.json"]},
     package_dir={"sgl_atom": "sgl_atom", "sgl_atom.kernels": "kernels"},
 )

@@ -1,17 +1,38 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [extra bench args]
-# The bundle: parts 1 and 2 from ../shared/gpu/bundle.sh, part 3 (NIXL for the atom P/D backend)
+#   bash benchmarks/gpu_call.sh kernels|tune-kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]
+# kernels, tune-decode and tune-kernels need torch and Triton only: they run on part 1 alone (the
+# first call of the two-call routine). tune-kernels writes the measured decode tuning to
+# $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
+# calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json.
+# GPU_BUNDLE names the bundle folder (default .gpu). The bundle: parts 1 and 2 from ../shared/gpu/bundle.sh, part 3 (NIXL for the atom P/D backend)
 # from scripts/gpu_bundle_pd.sh; part 3 is small enough to travel with part 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source .gpu/device-env.sh || exit $?
+what=${1:?usage: gpu_call.sh WHAT [args]}; shift
+case "$what" in
+  kernels|tune-decode|tune-kernels)
+    # shellcheck disable=SC1091
+    source "${GPU_BUNDLE:-.gpu}/device-env.sh" || {
+      echo "gpu_call: SGLang bundle incomplete; $what needs torch and Triton only"
+      export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+      [ -e sgl_atom/kernels ] || ln -s ../kernels sgl_atom/kernels
+    } ;;
+  *) source "${GPU_BUNDLE:-.gpu}/device-env.sh" || exit $? ;;
+esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-what=$1; shift
+kernel_tests() {
+  python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log"
+}
 case "$what" in
-  kernels) python3 -m pytest -q tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
+  kernels) kernel_tests ;;
+  tune-kernels)
+    python3 benchmarks/tune_decode_keys_major.py --write-config "$OUT/decode_tuning.json" "$@" 2>&1 \
+      | tee "$OUT/tune_decode_keys_major.log"
+    [ -f "$OUT/decode_tuning.json" ] && cp "$OUT/decode_tuning.json" /tmp/decode_tuning.json
+    kernel_tests ;;
   tier) python3 -m pytest -q -rsx tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_server_tests.log"
         for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log" ;;
   bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
@@ -20,5 +41,5 @@ case "$what" in
   tune-decode) python3 benchmarks/tune_decode_keys_major.py "$@" 2>&1 | tee "$OUT/tune_decode_keys_major.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh kernels|tune-kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]"; exit 2 ;;
 esac

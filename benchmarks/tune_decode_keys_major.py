@@ -3,18 +3,25 @@ head_dim 128, page 16): the q-rows-lead kernel against the keys-major one (the k
 first dot operand, `kernels.paged_attention.common.attend_tile_keys_major`), bf16 and fp8 KV,
 over tilings.
 
-    python3 benchmarks/tune_decode_keys_major.py [--quick]
+    python3 benchmarks/tune_decode_keys_major.py [--quick] [--write-config FILE]
 
 Each variant is first checked against the float64 reference on the timed inputs' first
 sequences (relative error printed; a variant over 1e-2 is reported and not timed). Timing is
 CUDA-graph replay (common.time_ms); GB/s counts K + V (+ fp8 scales) bytes read; "of copy" is
-that over the device copy rate measured in the same run.
+that over the device copy rate measured in the same run. Each variant also carries its split
+plan (`waves`: programs per SM that `decode_num_splits` aims for, over the server's 32K context
+bound as a captured graph plans it). `--write-config` writes, per KV kind, the variant with the
+best geometric-mean speedup over the default across all shapes as a decode tuning file
+(`sgl_atom/attention/decode_tuning.py`), which the atom backend reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
+import json
+import math
 import os
 import sys
 
@@ -26,49 +33,60 @@ from common import copy_bandwidth, device_name, format_table, import_kernels, ti
 pa = import_kernels("paged_attention")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(64, 4096), (16, 16384), (128, 2048), (8, 32768), (1, 16384)]
+GRAPH_CONTEXT = 32768  # the split plan of a captured graph is made for the context bound
+DEFAULTS = {  # the launcher's built-in choice (decode._config), as a tuning entry
+    "bf16": dict(keys_major=0, block_n=64, num_warps=4, num_stages=4, waves=2.0),
+    "fp8": dict(keys_major=0, block_n=128, num_warps=4, num_stages=3, waves=2.0),
+}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def variants(fp8: bool, quick: bool):
-    base = [dict()]  # the launcher's defaults
-    km = (1, 2)
+def variants(fp8: bool, quick: bool) -> list[dict]:
+    """The default first, then keys_major x tiling x split waves."""
+    default = DEFAULTS["fp8" if fp8 else "bf16"]
     if fp8:
         tiles = [(128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
     else:
         tiles = [(64, 4, 4), (128, 4, 3), (128, 8, 3)]
     if quick:
         tiles = tiles[:3]
-    for k, (bn, w, s) in itertools.product(km, tiles):
-        base.append(dict(keys_major=k, block_n=bn, num_warps=w, num_stages=s))
-    for bn, w, s in tiles[1:]:
-        base.append(dict(keys_major=0, block_n=bn, num_warps=w, num_stages=s))
-    return base
+    out = [dict(default)]
+    for k, (bn, w, s), waves in itertools.product((0, 1, 2), tiles, (2.0, 4.0)):
+        cfg = dict(keys_major=k, block_n=bn, num_warps=w, num_stages=s, waves=waves)
+        if cfg != default:
+            out.append(cfg)
+        if fp8 and k:  # fp8 dots (K/V never converted), keys-major only
+            out.append(dict(cfg, kv_mode="e4m3"))
+    return out
 
 
 def name(cfg: dict) -> str:
-    if not cfg:
-        return "default"
-    return "km{keys_major} bn{block_n} w{num_warps} s{num_stages}".format(**cfg)
+    mode = f" {cfg['kv_mode']}" if "kv_mode" in cfg else ""
+    tiling = "km{keys_major} bn{block_n} w{num_warps} s{num_stages} waves{waves:g}".format(**cfg)
+    return tiling + mode
 
 
-def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list) -> None:
+def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list, speed: dict):
     k, v, ks, vs, table, lens = paged(batch, ctx, PAGE, fp8, kv_heads=HKV)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     nb = min(batch, 2)
     ref = pa.reference_decode(q[:nb], k, v, table[:nb], lens[:nb], PAGE, D**-0.5, ks, vs)
     base_ms = None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in variants(fp8, quick):
+        kw = {key: val for key, val in cfg.items() if key != "waves"}
+        kw["num_splits"] = pa.decode_num_splits(batch, HKV, GRAPH_CONTEXT, sms, cfg["waves"])
         try:
-            out = pa.decode_fwd(q, k, v, table, lens, PAGE, D**-0.5, k_scale=ks, v_scale=vs, **cfg)
+            out = pa.decode_fwd(q, k, v, table, lens, PAGE, D**-0.5, k_scale=ks, v_scale=vs, **kw)
             err = rel_err(out[:nb], ref)
             if err > 1e-2:
                 print(f"  {name(cfg)}: rel err {err:.2e}, not timed", flush=True)
                 continue
             args = (q, k, v, table, lens, PAGE, D**-0.5)
-            ms = time_ms(lambda a=args, c=cfg: pa.decode_fwd(*a, k_scale=ks, v_scale=vs, **c))
+            ms = time_ms(lambda a=args, c=kw: pa.decode_fwd(*a, k_scale=ks, v_scale=vs, **c))
         except Exception as e:  # a tiling that does not compile (shared memory, registers)
             print(f"  {name(cfg)}: failed ({e!r:.160})", flush=True)
             continue
@@ -79,20 +97,54 @@ def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list) -
               f"({gbs / copy:.2f} of copy) x{base_ms / ms:.2f} vs default, err {err:.1e}",
               flush=True)  # fmt: skip
         rows.append([kv, f"b{batch} x {ctx}", name(cfg), ms, gbs, gbs / copy, base_ms / ms, err])
+        speed.setdefault((kv, name(cfg)), (cfg, {}))[1][(batch, ctx)] = base_ms / ms
     torch.cuda.empty_cache()
+
+
+def best(speed: dict, kv: str) -> tuple[dict, float]:
+    """The variant of `kv` with the best geometric-mean speedup over the default, among those
+    timed at every shape (the default itself scores 1.0)."""
+    scored = []
+    for (k, _), (cfg, by_shape) in speed.items():
+        if k == kv and len(by_shape) == len(SHAPES):
+            scored.append((math.exp(sum(map(math.log, by_shape.values())) / len(SHAPES)), cfg))
+    score, cfg = max(scored, key=lambda t: t[0])
+    return cfg, score
+
+
+def write_config(path: str, speed: dict, argv: list[str]) -> None:
+    decode = {}
+    for kv in ("bf16", "fp8"):
+        cfg, score = best(speed, kv)
+        decode[kv] = cfg
+        print(f"best {kv}: {name(cfg)} (geomean x{score:.3f} vs default over {len(SHAPES)} shapes)")
+    doc = {
+        "device": torch.cuda.get_device_name(0),
+        "date": datetime.date.today().isoformat(),
+        "command": "python3 benchmarks/tune_decode_keys_major.py " + " ".join(argv),
+        "shapes": [f"{b}x{c}" for b, c in SHAPES],
+        "decode": decode,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"decode tuning written to {path}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three tilings per kind")
+    ap.add_argument("--write-config", default="", help="write the best variants as a tuning file")
     args = ap.parse_args()
     copy = copy_bandwidth()
     print(f"{device_name()}: copy {copy:.0f} GB/s; {HQ} q / {HKV} KV heads, d{D}, page {PAGE}")
     rows: list = []
+    speed: dict = {}
     for (batch, ctx), fp8 in itertools.product(SHAPES, (False, True)):
-        run(batch, ctx, fp8, copy, args.quick, rows)
+        run(batch, ctx, fp8, copy, args.quick, rows, speed)
     head = ["kv", "shape", "variant", "ms", "GB/s", "of copy", "vs default", "rel err"]
     print(format_table(head, rows))
+    if args.write_config:
+        write_config(args.write_config, speed, sys.argv[1:])
 
 
 if __name__ == "__main__":

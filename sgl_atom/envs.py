@@ -69,6 +69,13 @@ SGL_ATOM_FP8_SCALE = EnvVar(
     "atom backend with fp8 KV: 'per_token' (one scale per token and KV head) or 'per_tensor' "
     "(upstream SGLang's store with scale 1.0, for A/B accuracy comparisons).",
 )
+SGL_ATOM_DECODE_TUNING = EnvVar(
+    "SGL_ATOM_DECODE_TUNING",
+    "",
+    "atom backend on a GPU: path of a decode tuning file (JSON from "
+    "benchmarks/tune_decode_keys_major.py --write-config) to use instead of the committed one "
+    "for the device (sgl_atom/attention/tuned/); empty: the committed file, else defaults.",
+)
 SGL_ATOM_LOG_LEVEL = EnvVar(
     "SGL_ATOM_LOG_LEVEL",
     "INFO",
@@ -126,6 +133,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_SERVER_TIMEOUT,
     SGL_ATOM_VENV,
     SGL_ATOM_FP8_SCALE,
+    SGL_ATOM_DECODE_TUNING,
     SGL_ATOM_LOG_LEVEL,
     SGL_ATOM_CPU_KERNELS,
     SGL_ATOM_DSPARK_FAULT,

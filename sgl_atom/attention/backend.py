@@ -24,6 +24,7 @@ from ..kernels.paged_attention import (
     unsupported_reason,
 )
 from ..log import get_logger
+from . import decode_tuning
 from .kernel_ops import kernel_ops
 from .kv_scales import scales_for_pool
 from .m3_index_pool import atom_index_dtype
@@ -95,6 +96,7 @@ class AtomAttnBackend(AttentionBackend):
         self.max_context_len = model_runner.model_config.context_len
         self.sparse = self._init_sparse(cfg)
         self._sms = num_sms(torch.device(self.device)) if not self.on_cpu else 1
+        self.decode_tuning = self._load_decode_tuning()
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_state: dict[str, torch.Tensor] | None = None
         logger.info(
@@ -112,6 +114,16 @@ class AtomAttnBackend(AttentionBackend):
             if self.fp8
             else "",
         )
+
+    def _load_decode_tuning(self) -> decode_tuning.DecodeTuning:
+        """The decode tiling and split plan for this device and KV dtype (defaults on CPU)."""
+        if self.on_cpu:
+            return decode_tuning.DecodeTuning()
+        name = torch.cuda.get_device_name(torch.device(self.device))
+        kv = "fp8" if self.fp8 else "bf16"
+        tuning, source = decode_tuning.load(kv, name, envs.SGL_ATOM_DECODE_TUNING.get())
+        logger.info("atom decode (%s KV on %s): %s, from %s", kv, name, tuning.describe(), source)
+        return tuning
 
     def _init_sparse(self, cfg):
         """The sparse path when the model carries a sparse_attention_config (else None)."""
@@ -204,7 +216,7 @@ class AtomAttnBackend(AttentionBackend):
         if (mode.is_decode() or mode.is_target_verify()) and not self.on_cpu:
             # on CPU (Triton's interpreter) programs run one after another: splitting the
             # context only adds work
-            meta.num_splits = decode_num_splits(bs, self.kv_heads, max_kv, self._sms)
+            meta.num_splits = self._num_splits(bs, max_kv, mode.is_decode())
         self.forward_metadata = meta
 
     # ---- CUDA graphs: static buffers, metadata copied in before replay --------------------
@@ -243,11 +255,15 @@ class AtomAttnBackend(AttentionBackend):
             st["qo_indptr"][: bs + 1].copy_(meta.qo_indptr)
             meta.qo_indptr = st["qo_indptr"][: bs + 1]
         meta.max_kv_len = self.max_context_len
-        meta.num_splits = self.graph_num_splits(bs)
+        meta.num_splits = self._num_splits(bs, self.max_context_len, meta.num_draft == 0)
 
     def graph_num_splits(self, bs: int) -> int:
-        """Context splits of a captured decode/verify graph of ``bs`` requests."""
-        return decode_num_splits(bs, self.kv_heads, self.max_context_len, self._sms)
+        """Context splits of a captured decode graph of ``bs`` requests."""
+        return self._num_splits(bs, self.max_context_len, True)
+
+    def _num_splits(self, bs: int, max_kv: int, decode: bool) -> int:
+        waves = self.decode_tuning.waves if decode else 2.0
+        return decode_num_splits(bs, self.kv_heads, max_kv, self._sms, waves)
 
     # ---- forward --------------------------------------------------------------------------
 
@@ -295,6 +311,8 @@ class AtomAttnBackend(AttentionBackend):
             if self.graph_state is not None:
                 kw["workspace"] = self.graph_workspace
         if mode.is_decode():
+            if not self.on_cpu:
+                kw.update(self.decode_tuning.kernel_kwargs())
             self.ops.decode(*args, self.page_size, layer.scaling, **kw)
         elif mode.is_target_verify():
             self.ops.verify(*args, self.page_size, layer.scaling, meta.num_draft, **kw)

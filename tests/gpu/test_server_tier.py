@@ -11,12 +11,13 @@ prompt + greedy continuation, so it runs on radix-cache prefix hits through the 
 with a cached prefix; generation runs through the decode kernel inside captured CUDA graphs.
 
 The feature issues beside this tier (DSpark, the M3 model, P/D on the GPU) have their tests at
-the end, each ``xfail(strict=True)`` naming its issue until that issue lands.
+the end; one that is known to fail is ``xfail(strict=True)`` naming its issue.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -157,11 +158,6 @@ def chain_baseline(gpu_servers):
     return target, want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 (DSpark on the GPU): the served draft is the float64 reference, which "
-    "builds RoPE tables on the CPU and crashes the scheduler at the first request",
-)
 @pytest.mark.parametrize("draft_dtype", ["bf16", "fp8"])
 def test_dspark_lossless_on_gpu(gpu_servers, chain_baseline, draft_dtype):
     from sgl_atom.speculative.dspark.algorithm import NAME
@@ -181,22 +177,48 @@ def test_dspark_lossless_on_gpu(gpu_servers, chain_baseline, draft_dtype):
     assert got == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16 (P/D on the GPU): NIXL is not carried to the device and the atom "
-    "transfer backend has not served a GPU pair",
-)
-def test_pd_pair_on_one_gpu(gpu_servers):
+def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
+    """A prefill and a decode server on one card (each capped by --max-total-tokens), atom
+    backend and atom transfer backend (NIXL, GPU pools): every greedy output equals the unified
+    server's. The requests carry the bootstrap fields as SGLang's PD router sends them (the
+    router binary is not carried to the device)."""
     if importlib.util.find_spec("nixl") is None:
-        pytest.fail("nixl is not importable on this machine: the atom P/D backend needs it")
-    from test_disagg_serving import pd_pair_matches_unified  # noqa: F401  (lands with issue 16)
+        pytest.fail("nixl is not importable here: carry part 3 of the GPU bundle")
+    from test_disagg_serving import DECODE_ARGS, MAX_NEW, _direct_pd, _join, prefill_args
+
+    from sgl_atom.testing.server import free_port
+
+    target, want = chain_baseline
+    env = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
+    bp = free_port()
+    cap = ["--max-total-tokens", "8192"]
+    jobs = {
+        "pd-prefill": (target, [*SPEC_ARGS, *cap, *prefill_args(bp),
+                                "--nccl-port", str(free_port())], env),
+        "pd-decode": (target, [*SPEC_ARGS, *cap, *DECODE_ARGS,
+                               "--nccl-port", str(free_port())], env),
+    }  # fmt: skip
+    servers = gpu_servers.start_many(jobs, timeout=600)
+    prefill, decode = servers["pd-prefill"], servers["pd-decode"]
+    try:
+        t0 = time.time()
+        pending = [_direct_pd(prefill, bp, decode, p, 9000 + i) for i, p in enumerate(SPEC_PROMPTS)]
+        got = [_join(r)["d"] for r in pending]
+        seconds = time.time() - t0
+        logs = prefill.log_text(), decode.log_text()
+    finally:
+        prefill.stop()
+        decode.stop()
+    errors = [g for g in got if not isinstance(g, dict)]
+    assert not errors, errors[0]
+    ids = [g["output_ids"] for g in got]
+    same = sum(a == b[:MAX_NEW] for a, b in zip(ids, want, strict=True))
+    report(f"GPU P/D atom TP1->TP1 on one H200: {same}/{len(want)} greedy outputs equal unified "
+           f"in {seconds:.1f}s")  # fmt: skip
+    assert "regions (layers 0..3)" in logs[0], logs[0][-3000:]
+    assert same == len(want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 (M3 on the GPU): the sparse path breaks SGLang's prefill CUDA-graph "
-    "capture (cudaErrorStreamCaptureInvalidated at start-up)",
-)
 def test_m3_tiny_matches_float64_reference(gpu_servers, report):
     """The tiny ``m3`` checkpoint served by sgl_atom's M3 class (sparse layers skip blocks)
     within the CPU e2e's bounds of the float64 reference forward."""

@@ -1,0 +1,107 @@
+"""Decode kernel tilings per device, as measured tuning files (the way SGLang ships its fused-MoE
+Triton configs): which ``decode_fwd`` variant and tiling the atom backend launches, and how many
+context splits it plans, for bf16 and for fp8 KV.
+
+A tuning file is JSON written by ``benchmarks/tune_decode_keys_major.py --write-config``::
+
+    {"device": "NVIDIA H200", "date": ..., "command": ...,
+     "decode": {"bf16": {"block_n": 64, "num_warps": 4, "num_stages": 3, "keys_major": 0,
+                          "waves": 2.0},
+                "fp8": {...}}}
+
+The backend reads ``SGL_ATOM_DECODE_TUNING`` (a path) when set, else the committed file of its
+device under ``tuned/`` (``NVIDIA_H200.json``), else the launcher's built-in defaults. Only the
+one-query decode is tuned; verify keeps the launcher's defaults (more query rows per tile).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+KV_KINDS = ("bf16", "fp8")
+
+
+class DecodeTuningError(ValueError):
+    """A decode tuning file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """One decode launch configuration; None leaves the launcher's default."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    keys_major: int | None = None
+    kv_mode: str | None = None  # fp8 KV: how K/V meet the dots (kernels' KV_MODES names)
+    waves: float = 2.0  # programs per SM that decode_num_splits plans for
+
+    def kernel_kwargs(self) -> dict:
+        """The ``decode_fwd`` tuning overrides (the launcher's defaults where None)."""
+        kw = asdict(self)
+        kw.pop("waves")
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def describe(self) -> str:
+        kw = self.kernel_kwargs()
+        parts = [f"{k}={v}" for k, v in kw.items()] or ["launcher defaults"]
+        return ", ".join(parts) + f", waves={self.waves:g}"
+
+
+_CHECKS = {
+    "block_n": lambda v: v in (16, 32, 64, 128, 256),
+    "num_warps": lambda v: v in (1, 2, 4, 8, 16),
+    "num_stages": lambda v: isinstance(v, int) and 1 <= v <= 8,
+    "keys_major": lambda v: v in (0, 1, 2),
+    "kv_mode": lambda v: v in ("bf16", "f16", "fp8", "bits", "e4m3"),
+    "waves": lambda v: isinstance(v, (int, float)) and 0.25 <= v <= 64,
+}
+
+
+def parse(entry: dict, where: str) -> DecodeTuning:
+    """A DecodeTuning from one kv kind's JSON object; DecodeTuningError names a bad field."""
+    if not isinstance(entry, dict):
+        raise DecodeTuningError(f"{where}: expected an object, got {type(entry).__name__}")
+    known = {f.name for f in fields(DecodeTuning)}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise DecodeTuningError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+    for key, value in entry.items():
+        if value is not None and not _CHECKS[key](value):
+            raise DecodeTuningError(f"{where}: {key}={value!r} is not a valid value")
+    tuning = DecodeTuning(**entry)
+    if tuning.kv_mode == "e4m3" and not tuning.keys_major:
+        raise DecodeTuningError(f"{where}: kv_mode 'e4m3' needs keys_major 1 or 2")
+    return tuning
+
+
+def device_file(device_name: str) -> Path:
+    """The committed tuning file of a device name ("NVIDIA H200" -> tuned/NVIDIA_H200.json)."""
+    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def load(kv: str, device_name: str, path: str = "") -> tuple[DecodeTuning, str]:
+    """(tuning, where it came from) for KV kind ``kv`` ("bf16" or "fp8") on ``device_name``:
+    ``path`` when given (it must exist), else the device's committed file, else defaults."""
+    if kv not in KV_KINDS:
+        raise ValueError(f"kv {kv!r} is not one of {KV_KINDS}")
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise DecodeTuningError(f"SGL_ATOM_DECODE_TUNING={path}: no such file")
+    else:
+        file = device_file(device_name)
+        if not file.is_file():
+            return DecodeTuning(), "built-in defaults"
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise DecodeTuningError(f"decode tuning file {file}: not JSON ({e})") from e
+    decode = data.get("decode") if isinstance(data, dict) else None
+    if not isinstance(decode, dict) or kv not in decode:
+        raise DecodeTuningError(f"decode tuning file {file}: no 'decode' entry for {kv!r} KV")
+    return parse(decode[kv], f"decode tuning file {file}, decode.{kv}"), str(file)

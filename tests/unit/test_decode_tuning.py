@@ -1,0 +1,74 @@
+"""Decode tuning files: what the atom backend reads to pick its decode kernel variant."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sgl_atom.attention import decode_tuning as dt
+
+
+def _write(tmp_path, decode) -> str:
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"device": "X", "decode": decode}))
+    return str(path)
+
+
+def test_file_overrides_defaults_per_kv(tmp_path):
+    fp8 = {"keys_major": 1, "block_n": 256, "num_warps": 8, "num_stages": 2, "waves": 4.0}
+    path = _write(tmp_path, {"bf16": {"block_n": 64}, "fp8": fp8})
+    tuning, source = dt.load("fp8", "any device", path)
+    assert source == path
+    assert tuning.waves == 4.0
+    assert tuning.kernel_kwargs() == {k: v for k, v in fp8.items() if k != "waves"}
+    bf16, _ = dt.load("bf16", "any device", path)
+    assert bf16.kernel_kwargs() == {"block_n": 64} and bf16.waves == 2.0
+
+
+def test_no_file_for_the_device_means_launcher_defaults():
+    tuning, source = dt.load("bf16", "A device with no tuning file 9000")
+    assert tuning == dt.DecodeTuning() and tuning.kernel_kwargs() == {}
+    assert source == "built-in defaults"
+
+
+def test_device_file_name():
+    assert dt.device_file("NVIDIA H200").name == "NVIDIA_H200.json"
+    assert dt.device_file("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+
+
+@pytest.mark.parametrize(
+    "entry,words",
+    [
+        ({"block_n": 96}, "block_n=96"),
+        ({"keys_major": 3}, "keys_major=3"),
+        ({"waves": 0}, "waves=0"),
+        ({"num_warp": 4}, "unknown field(s) ['num_warp']"),
+        ([128], "expected an object"),
+    ],
+    ids=["block_n", "keys_major", "waves", "typo", "not-object"],
+)
+def test_bad_entries_are_refused_by_name(tmp_path, entry, words):
+    path = _write(tmp_path, {"fp8": entry})
+    with pytest.raises(dt.DecodeTuningError, match="decode.fp8") as e:
+        dt.load("fp8", "X", path)
+    assert words in str(e.value)
+
+
+def test_missing_kind_missing_file_and_bad_json(tmp_path):
+    path = _write(tmp_path, {"bf16": {}})
+    with pytest.raises(dt.DecodeTuningError, match="no 'decode' entry for 'fp8'"):
+        dt.load("fp8", "X", path)
+    with pytest.raises(dt.DecodeTuningError, match="no such file"):
+        dt.load("fp8", "X", str(tmp_path / "absent.json"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(dt.DecodeTuningError, match="not JSON"):
+        dt.load("fp8", "X", str(tmp_path / "bad.json"))
+
+
+def test_committed_files_parse():
+    """Every committed device file loads for both KV kinds."""
+    for file in sorted(dt.TUNED_DIR.glob("*.json")):
+        for kv in dt.KV_KINDS:
+            tuning, source = dt.load(kv, json.loads(file.read_text())["device"])
+            assert source == str(file) and isinstance(tuning, dt.DecodeTuning)
