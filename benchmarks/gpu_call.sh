@@ -29,8 +29,8 @@ kernel_tests() {
 case "$what" in
   kernels) kernel_tests ;;
   tune-kernels)
-    python3 benchmarks/tune_decode_keys_major.py --write-config "$OUT/decode_tuning.json" "$@" 2>&1 \
-      | tee "$OUT/tune_decode_keys_major.log"
+    python3 benchmarks/tune_decode.py --write-config "$OUT/decode_tuning.json" "$@" 2>&1 \
+      | tee "$OUT/tune_decode.log"
     [ -f "$OUT/decode_tuning.json" ] && cp "$OUT/decode_tuning.json" /tmp/decode_tuning.json
     kernel_tests ;;
   tier) python3 -m pytest -q -rsx tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_server_tests.log"
@@ -38,7 +38,7 @@ case "$what" in
   bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench-spec) python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log" ;;
-  tune-decode) python3 benchmarks/tune_decode_keys_major.py "$@" 2>&1 | tee "$OUT/tune_decode_keys_major.log" ;;
+  tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
   *) echo "usage: gpu_call.sh kernels|tune-kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]"; exit 2 ;;

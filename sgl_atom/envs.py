@@ -73,7 +73,7 @@ SGL_ATOM_DECODE_TUNING = EnvVar(
     "SGL_ATOM_DECODE_TUNING",
     "",
     "atom backend on a GPU: path of a decode tuning file (JSON from "
-    "benchmarks/tune_decode_keys_major.py --write-config) to use instead of the committed one "
+    "benchmarks/tune_decode.py --write-config) to use instead of the committed one "
     "for the device (sgl_atom/attention/tuned/); empty: the committed file, else defaults.",
 )
 SGL_ATOM_LOG_LEVEL = EnvVar(

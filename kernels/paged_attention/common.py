@@ -97,13 +97,11 @@ LOG2E = 1.4426950408889634
 #   "bits": the e4m3 bits moved into bf16 bits with integer operations (`fp8_bits`, exact: the
 #     value times 2^-120), q times 2^64 and p times v_scale * 2^112, the powers of two undone on
 #     the scores and on the output; numerically the "bf16" cast, with no conversion at all (on
-#     H200 it beat K-only bits with V cast, benchmarks/results/tune_fp8_decode.log's "kbits");
-#   "e4m3": K and V stay e4m3 and the dots are fp8 dots (no conversion of K/V at all); q and the
-#     probabilities are each split into two e4m3 terms (hi + lo/16, per-row power-of-two scales),
-#     so each dot is two fp8 dots and the operands keep about 8 significant bits (bf16 keeps 8).
-#     Keys-major decode only (`attend_tile_keys_major`, `prepare_q_e4m3`).
-KV_MODES = {"bf16": 0, "f16": 1, "fp8": 2, "bits": 3, "e4m3": 4}
-E4M3 = tl.constexpr(4)
+#     H200 it beat K-only bits with V cast, benchmarks/results/tune_fp8_decode.log's "kbits").
+# Measured and dropped (benchmarks/results/tune_decode.log, H200): the key tile as the first
+# dot operand ("keys-major", 0.77-0.80x this at 64 x 4K) and fp8 dots with q and p split into
+# two e4m3 terms (0.73x): both slower than "bits" with the query rows leading.
+KV_MODES = {"bf16": 0, "f16": 1, "fp8": 2, "bits": 3}
 
 
 def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
@@ -113,8 +111,6 @@ def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
         kv_mode = "bits" if q.dtype == torch.bfloat16 else "bf16"
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode {kv_mode!r} is not one of {sorted(KV_MODES)}")
-    if kv_mode == "e4m3" and q.dtype not in SUPPORTED_Q_DTYPES:
-        raise ValueError(f"kv_mode 'e4m3' needs a bf16 or fp16 q, got {q.dtype}")
     if kv_mode == "bits" and q.dtype != torch.bfloat16:
         raise ValueError(f"kv_mode 'bits' needs a bf16 q, got {q.dtype}; use 'bf16' (q's dtype)")
     return KV_MODES[kv_mode]
@@ -303,193 +299,3 @@ def prepare_q(q, qk_scale, FP8: tl.constexpr, KV_MODE: tl.constexpr, DOT_F32: tl
     if DOT_F32:  # Triton's CPU interpreter multiplies 16-bit dot operands as raw bits
         qd = qd.to(tl.float32)
     return qd, qsc
-
-
-@triton.jit
-def split_e4m3(x, DOT_F32: tl.constexpr):
-    """x (fp32, |x| < 256) as hi + lo / 16 in two e4m3 tensors: hi rounds x, lo rounds the
-    remainder times 16 (|remainder| <= half of hi's spacing, so lo cannot overflow). With
-    DOT_F32 (Triton's interpreter, whose fp32 -> e4m3 cast loses the carry into the exponent:
-    7.99 -> 4) the two terms are rounded arithmetically and returned as fp32."""
-    if DOT_F32:
-        hi = _round_e4m3(x)
-        lo = _round_e4m3((x - hi) * 16.0)
-    else:
-        hi = x.to(tl.float8e4nv)
-        lo = ((x - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-    return hi, lo
-
-
-@triton.jit
-def _round_e4m3(x):
-    """x rounded to an e4m3 value (half away from zero), in fp32."""
-    a = tl.abs(x)
-    e = tl.floor(tl.math.log2(tl.maximum(a, 0.015625)))  # subnormals: spacing 2^-9
-    e = tl.where(tl.math.exp2(e + 1.0) <= a, e + 1.0, e)  # log2 a hair under a power of two
-    e = tl.where(tl.math.exp2(e) > a, tl.maximum(e - 1.0, -6.0), e)
-    sp = tl.math.exp2(e - 3.0)
-    r = tl.minimum(tl.floor(a / sp + 0.5) * sp, 448.0)
-    return tl.where(x < 0, -r, r)
-
-
-@triton.jit
-def pow2_scale_to_128(amax):
-    """Per-element power of two c with amax * c in [128, 256) (1 where amax is 0)."""
-    e = tl.floor(tl.math.log2(tl.maximum(amax, 1e-30)))
-    return tl.where(amax > 0, tl.math.exp2(7.0 - e), 1.0)
-
-
-@triton.jit
-def prepare_q_e4m3(q, qk_scale, DOT_F32: tl.constexpr):
-    """(q_hi_t, q_lo_t [HEAD_DIM, BLOCK_M] e4m3, score scale [BLOCK_M]) for KV mode "e4m3":
-    q rows scaled by a power of two into [128, 256), split in two e4m3 terms (`split_e4m3`);
-    K @ q_hi_t + K @ q_lo_t / 16, times the returned scale, gives the scores (log2 domain)."""
-    qf = q.to(tl.float32)
-    c = pow2_scale_to_128(tl.max(tl.abs(qf), 1))
-    hi, lo = split_e4m3(qf * c[:, None], DOT_F32)
-    return tl.trans(hi), tl.trans(lo), qk_scale / c
-
-
-@triton.jit
-def dot_e4m3_split(a, b_hi, b_lo, DOT_F32: tl.constexpr):
-    """a @ (b_hi + b_lo / 16) as two fp8 dots (fp32 operands on the interpreter)."""
-    if DOT_F32:
-        a = a.to(tl.float32)
-    return tl.dot(a, b_hi) + tl.dot(a, b_lo) * 0.0625
-
-
-@triton.jit
-def attend_tile_keys_major(
-    acc_t,
-    m_i,
-    l_i,
-    q_t,
-    q_lo_t,
-    k_base,
-    v_base,
-    ks_base,
-    vs_base,
-    pt_row,
-    start_n,
-    bound,
-    row_limit,
-    qk_scale,
-    stride_kt,
-    stride_vt,
-    stride_st,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    FP8: tl.constexpr,
-    MASKED: tl.constexpr,
-    KV_MODE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    PV_KEYS_MAJOR: tl.constexpr,
-):
-    """`attend_tile` with the keys as the rows of the K dot: s_t = K @ q_t [BLOCK_N, BLOCK_M].
-
-    The key tile is the dot's first operand, which a Hopper MMA takes from registers, so an fp8
-    tile moved into bf16 bits there (`fp8_bits`) goes straight into the MMA instead of back
-    through shared memory; the few query rows (q_t [HEAD_DIM, BLOCK_M]) are the second operand.
-    acc_t is [HEAD_DIM, BLOCK_M] (the output transposed); m_i, l_i, row_limit, and in modes 1/2
-    qk_scale are [BLOCK_M]. With PV_KEYS_MAJOR the V dot is keys-major too (acc_t += V^T @ p_t,
-    V^T from registers); else p_t is transposed and V is the second operand (p @ V). In KV
-    mode "e4m3" (`KV_MODES`) q_t and q_lo_t are `prepare_q_e4m3`'s two terms and both dots are
-    fp8 dots (else q_lo_t is unused)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    n_ok = offs_n < bound  # read only when MASKED
-    if MASKED:
-        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0)
-    else:
-        page = tl.load(pt_row + offs_n // PAGE)
-    slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-    if MASKED:
-        k = tl.load(
-            k_base + slot[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
-        )
-    else:
-        k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :])
-    if FP8 and KV_MODE == 4:
-        s = dot_e4m3_split(k, q_t, q_lo_t, DOT_F32)
-    else:
-        if FP8 and KV_MODE == 3:
-            k = fp8_bits(k, DOT_F32)
-        s = tl.dot(k.to(q_t.dtype), q_t)
-    if FP8:
-        if MASKED:
-            ksc = tl.load(ks_base + slot * stride_st, mask=n_ok, other=1.0)
-        else:
-            ksc = tl.load(ks_base + slot * stride_st)
-        if KV_MODE == 1 or KV_MODE == 2 or KV_MODE == 4:
-            s = s * ksc[:, None] * qk_scale[None, :]
-        else:
-            s = s * (ksc * qk_scale)[:, None]
-    else:
-        s = s * qk_scale
-    if MASKED:
-        ok = n_ok[:, None] & (offs_n[:, None] <= row_limit[None, :])
-        s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[None, :])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    vmax = 1.0
-    if FP8:  # p times v_scale over the tile's largest (see attend_tile)
-        if MASKED:
-            vsc = tl.load(vs_base + slot * stride_st, mask=n_ok, other=0.0)
-        else:
-            vsc = tl.load(vs_base + slot * stride_st)
-        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
-        p = p * (vsc * (1.0 / vmax))[:, None]
-        if KV_MODE == 3:
-            p = p * P_BITS_SCALE
-    v = load_v_tile(v_base, slot, offs_d, n_ok, stride_vt, MASKED, PV_KEYS_MAJOR)
-    if FP8 and KV_MODE == 4:
-        # p split in two e4m3 terms at a power-of-two scale per query row (its largest p of
-        # this tile in [128, 256)), so a tile far below the running max keeps its precision
-        c = pow2_scale_to_128(tl.max(p, 0))
-        p_hi, p_lo = split_e4m3(p * c[None, :], DOT_F32)
-        if PV_KEYS_MAJOR:
-            pv = dot_e4m3_split(v, p_hi, p_lo, DOT_F32)
-        else:
-            if DOT_F32:
-                v = v.to(tl.float32)
-            pv = tl.trans(tl.dot(tl.trans(p_hi), v) + tl.dot(tl.trans(p_lo), v) * 0.0625)
-        out_scale = (vmax / c)[None, :]
-    else:
-        if DOT_F32:
-            p_op = p
-        elif FP8 and KV_MODE == 1:
-            p_op = p.to(tl.float16)
-        else:
-            p_op = p.to(q_t.dtype)
-        if FP8 and KV_MODE == 3:
-            v = fp8_bits(v, DOT_F32)
-        if PV_KEYS_MAJOR:
-            pv = tl.dot(v.to(p_op.dtype), p_op)
-        else:
-            pv = tl.trans(tl.dot(tl.trans(p_op), v.to(p_op.dtype)))
-        out_scale = vmax
-    acc_t = acc_t * alpha[None, :] + pv * out_scale
-    return acc_t, m_new, l_i
-
-
-@triton.jit
-def load_v_tile(v_base, slot, offs_d, n_ok, stride_vt, MASKED: tl.constexpr, T: tl.constexpr):
-    """The V rows of `slot` as [BLOCK_N, HEAD_DIM], or transposed [HEAD_DIM, BLOCK_N] with T;
-    masked rows (keys past the sequence) read as 0."""
-    if T:
-        ptrs = v_base + slot[None, :] * stride_vt + offs_d[:, None]
-        if MASKED:
-            v = tl.load(ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            v = tl.load(ptrs)
-    else:
-        ptrs = v_base + slot[:, None] * stride_vt + offs_d[None, :]
-        if MASKED:
-            v = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            v = tl.load(ptrs)
-    return v

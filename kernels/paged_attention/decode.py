@@ -12,16 +12,13 @@ import triton.language as tl
 
 from ..common import next_pow2, num_sms
 from .common import (
-    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
-    attend_tile_keys_major,
     check_inputs,
     kv_mode_id,
     on_cpu,
     prepare_q,
-    prepare_q_e4m3,
 )
 
 MAX_SPLITS = 128
@@ -174,114 +171,6 @@ def decode_fwd_kernel(
 
 
 @triton.jit
-def decode_fwd_keys_major_kernel(
-    Q,
-    K,
-    V,
-    KS,
-    VS,
-    PT,
-    SL,
-    OP,
-    LSE,
-    qk_scale,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_vt,
-    stride_st,
-    stride_pt,
-    stride_opt,
-    stride_oph,
-    stride_ops,
-    stride_lt,
-    stride_lh,
-    GROUP: tl.constexpr,
-    NUM_Q: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    FP8: tl.constexpr,
-    KV_MODE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    PV_KEYS_MAJOR: tl.constexpr,
-):
-    """`decode_fwd_kernel` with the key tile as the first dot operand (`attend_tile_keys_major`):
-    same grid, inputs and outputs. The two stay side by side only until the H200 sweep
-    (benchmarks/tune_decode_keys_major.py) says which is faster at the server shapes; then the
-    slower one goes."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SL + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    seen_by_all = seq_len - NUM_Q + 1 if CAUSAL else seq_len
-    full_end = start + tl.maximum(tl.minimum(end, seen_by_all) - start, 0) // BLOCK_N * BLOCK_N
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    row_ok = rows < NUM_Q * GROUP
-    qrow = b * NUM_Q + tok
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        Q + qrow[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    if FP8 and KV_MODE == 4:
-        q_t, q_lo_t, qk_scale = prepare_q_e4m3(q, qk_scale, DOT_F32)
-    else:
-        q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
-        q_t = tl.trans(q)
-        q_lo_t = q_t  # unused outside mode 4
-    row_limit = seq_len - NUM_Q + tok if CAUSAL else seq_len - 1 + tok * 0
-
-    k_base = K + kvh * HEAD_DIM
-    v_base = V + kvh * HEAD_DIM
-    ks_base = KS + kvh
-    vs_base = VS + kvh
-    pt_row = PT + b * stride_pt
-    acc_t = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(start, full_end, BLOCK_N):
-        acc_t, m_i, l_i = attend_tile_keys_major(
-            acc_t, m_i, l_i, q_t, q_lo_t, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
-            row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
-            False, KV_MODE, DOT_F32, PV_KEYS_MAJOR,
-        )  # fmt: skip
-    for start_n in range(full_end, end, BLOCK_N):
-        acc_t, m_i, l_i = attend_tile_keys_major(
-            acc_t, m_i, l_i, q_t, q_lo_t, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
-            row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
-            True, KV_MODE, DOT_F32, PV_KEYS_MAJOR,
-        )  # fmt: skip
-
-    has = l_i > 0
-    o_t = acc_t / tl.where(has, l_i, 1.0)[None, :]
-    if FP8 and KV_MODE == 3:
-        o_t = o_t * OUT_BITS_SCALE
-    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    w_ok = row_ok & (start < end)
-    tl.store(
-        OP
-        + qrow[None, :] * stride_opt
-        + head[None, :] * stride_oph
-        + split * stride_ops
-        + offs_d[:, None],
-        o_t,
-        mask=w_ok[None, :],
-    )
-    tl.store(LSE + qrow * stride_lt + head * stride_lh + split, lse, mask=w_ok)
-
-
-@triton.jit
 def decode_reduce_kernel(
     OP,
     LSE,
@@ -378,7 +267,6 @@ def split_kv_attention(
     num_stages=None,
     kv_mode=None,
     causal=True,
-    keys_major=None,
 ):
     """Shared launcher of decode (num_q = 1) and verify (num_q = draft tokens per sequence;
     causal among them, or with ``causal=False`` each of them sees every key of its sequence)."""
@@ -416,17 +304,9 @@ def split_kv_attention(
         )
     cfg = _config(head_dim, rows, fp8, on_cpu(q))
     block_n = block_n or cfg["block_n"]
-    keys_major = cfg.get("keys_major", 0) if keys_major is None else keys_major
-    if keys_major not in (0, 1, 2):
-        raise ValueError(f"keys_major: 0 (off), 1 (K dot) or 2 (K and V dots), got {keys_major}")
     kv_mode = kv_mode_id(kv_mode, q) if fp8 else 0
-    if kv_mode == KV_MODES["e4m3"] and not keys_major:
-        raise ValueError("kv_mode 'e4m3' (fp8 dots) runs in the keys-major kernel: keys_major 1|2")
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
-    kernel, extra = decode_fwd_kernel, {}
-    if keys_major:
-        kernel, extra = decode_fwd_keys_major_kernel, dict(PV_KEYS_MAJOR=keys_major == 2)
-    kernel[(batch, kv_heads, num_splits)](
+    decode_fwd_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -459,7 +339,6 @@ def split_kv_attention(
         KV_MODE=kv_mode,
         DOT_F32=on_cpu(q),
         CAUSAL=causal,
-        **extra,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -516,8 +395,7 @@ def decode_fwd(
     workspace: `decode_workspace(batch, q_heads, head_dim, max_splits)` buffers, for graphs.
     max_context: bound on seq_lens used to pick num_splits (default page_table width × page).
     tuning: block_n, num_warps, num_stages, kv_mode (fp8: a `KV_MODES` name, default by q's
-      dtype: `kv_mode_id`), keys_major (0: q rows lead both dots; 1: the key tile leads the K
-      dot, `attend_tile_keys_major`; 2: K and V tiles lead both) overrides.
+      dtype: `kv_mode_id`) overrides.
     Returns out.
     """
     return split_kv_attention(

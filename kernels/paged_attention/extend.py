@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from .common import (
-    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
@@ -214,9 +213,6 @@ def extend_fwd(
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     grid = (triton.cdiv(max_qo_len * group, block_m), kv_heads, batch)
-    mode = kv_mode_id(kv_mode, q) if fp8 else 0
-    if mode == KV_MODES["e4m3"]:
-        raise ValueError("kv_mode 'e4m3' (fp8 dots) is a decode mode; extend takes the others")
     extend_fwd_kernel[grid](
         q,
         k_cache,
@@ -242,7 +238,7 @@ def extend_fwd(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         FP8=fp8,
-        KV_MODE=mode,
+        KV_MODE=kv_mode_id(kv_mode, q) if fp8 else 0,
         DOT_F32=on_cpu(q),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],

@@ -333,5 +333,14 @@ class AtomAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
+    def can_run_prefill_cuda_graph(self, forward_batch) -> bool:
+        """Whether SGLang's prefill CUDA graph may replay this extend. Not for a sparse
+        (MiniMax-M3-style) model: its sparse layers call ``forward_sparse`` directly, not
+        through ``RadixAttention``, whose eager section is where a breakable prefill graph
+        leaves attention out; captured, their index writes and block selection would replay
+        with the capture's sizes and buffers (an illegal memory access on the H200). Prefill
+        of such a model runs eagerly; its decode steps still replay CUDA graphs."""
+        return self.sparse is None
+
     def support_triton(self):
         return True

@@ -1,12 +1,11 @@
 """Decode kernel tilings per device, as measured tuning files (the way SGLang ships its fused-MoE
-Triton configs): which ``decode_fwd`` variant and tiling the atom backend launches, and how many
-context splits it plans, for bf16 and for fp8 KV.
+Triton configs): which ``decode_fwd`` tiling the atom backend launches, and how many context
+splits it plans, for bf16 and for fp8 KV.
 
-A tuning file is JSON written by ``benchmarks/tune_decode_keys_major.py --write-config``::
+A tuning file is JSON written by ``benchmarks/tune_decode.py --write-config``::
 
     {"device": "NVIDIA H200", "date": ..., "command": ...,
-     "decode": {"bf16": {"block_n": 64, "num_warps": 4, "num_stages": 3, "keys_major": 0,
-                          "waves": 2.0},
+     "decode": {"bf16": {"block_n": 64, "num_warps": 4, "num_stages": 4, "waves": 2.0},
                 "fp8": {...}}}
 
 The backend reads ``SGL_ATOM_DECODE_TUNING`` (a path) when set, else the committed file of its
@@ -36,7 +35,6 @@ class DecodeTuning:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    keys_major: int | None = None
     kv_mode: str | None = None  # fp8 KV: how K/V meet the dots (kernels' KV_MODES names)
     waves: float = 2.0  # programs per SM that decode_num_splits plans for
 
@@ -56,8 +54,7 @@ _CHECKS = {
     "block_n": lambda v: v in (16, 32, 64, 128, 256),
     "num_warps": lambda v: v in (1, 2, 4, 8, 16),
     "num_stages": lambda v: isinstance(v, int) and 1 <= v <= 8,
-    "keys_major": lambda v: v in (0, 1, 2),
-    "kv_mode": lambda v: v in ("bf16", "f16", "fp8", "bits", "e4m3"),
+    "kv_mode": lambda v: v in ("bf16", "f16", "fp8", "bits"),
     "waves": lambda v: isinstance(v, (int, float)) and 0.25 <= v <= 64,
 }
 
@@ -73,10 +70,7 @@ def parse(entry: dict, where: str) -> DecodeTuning:
     for key, value in entry.items():
         if value is not None and not _CHECKS[key](value):
             raise DecodeTuningError(f"{where}: {key}={value!r} is not a valid value")
-    tuning = DecodeTuning(**entry)
-    if tuning.kv_mode == "e4m3" and not tuning.keys_major:
-        raise DecodeTuningError(f"{where}: kv_mode 'e4m3' needs keys_major 1 or 2")
-    return tuning
+    return DecodeTuning(**entry)
 
 
 def device_file(device_name: str) -> Path:

@@ -244,6 +244,29 @@ LEDGER: tuple[LedgerEntry, ...] = (
         tests=("tests/unit/test_plugin.py", "tests/unit/test_disagg_backend.py"),
     ),
     LedgerEntry(
+        module="sgl_atom.patches.dspark_graph_capture",
+        target=(
+            "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+            ".get_spec_info"
+        ),
+        why=(
+            "ATOM_DSPARK verifies through SGLang's n-gram path, whose decode CUDA graphs are "
+            "captured with CaptureHiddenMode.NULL; its verify forward needs FULL (the draft "
+            "writes context K/V from the target's tapped layers), so the first replay failed "
+            "('runtime hidden-state mode exceeds the fixed CUDA graph capture mode'). The AFTER "
+            "hook sets FULL on the captured verify input of an ATOM_DSPARK target runner only."
+        ),
+        upstream=(
+            "sglang 0.5.23 srt/model_executor/runner/decode_cuda_graph_runner.py get_spec_info "
+            "(capture mode per built-in algorithm)"
+        ),
+        remove_when="SGLang asks a custom speculative algorithm which hidden states to capture",
+        upstream_change=(
+            "none filed: a CustomSpecAlgo method for the target-verify graph's capture mode"
+        ),
+        tests=("tests/unit/test_dspark_graph_capture.py", "tests/gpu/test_server_tier.py"),
+    ),
+    LedgerEntry(
         module="sgl_atom.patches.disagg_pool_registry",
         target="sglang.srt.disaggregation.utils.get_kv_transfer_buf_infos",
         why=(

@@ -179,36 +179,31 @@ def test_decode_cuda_graph_replay():
 TUNED_TOL = 1e-2  # bf16 dot operands (q, p) on the GPU; half the older kernels' bound
 
 
-VARIANTS = [  # (keys_major, block_n, num_warps, num_stages, fp8 kv_mode)
-    (0, 128, 8, 3, None),
-    (1, 128, 4, 3, None),
-    (1, 256, 8, 2, None),
-    (2, 128, 4, 3, None),
-    (2, 256, 8, 3, None),
-    (1, 128, 4, 3, "e4m3"),
-    (2, 128, 4, 3, "e4m3"),
-    (2, 256, 8, 2, "e4m3"),
-]
+TILINGS = {  # what benchmarks/tune_decode.py sweeps (and a tuning file may pick)
+    "bf16": [(64, 4, 4), (128, 4, 3), (128, 8, 3)],
+    "fp8": [(128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)],
+}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "km{} bn{} w{} s{} {}".format(*v))
-def test_decode_tuning_variants(dtype, variant, report):
-    """Every variant the decode tuning file may pick (benchmarks/tune_decode_keys_major.py),
-    at the server's shape (32 q / 8 KV heads, page 16), split 1..8 ways, against float64."""
-    keys_major, block_n, warps, stages, kv_mode = variant
-    if kv_mode is not None and dtype != FP8:
-        pytest.skip("an fp8 KV mode")
+@pytest.mark.parametrize(
+    "kv,tiling",
+    [(kv, t) for kv, ts in TILINGS.items() for t in ts],
+    ids=lambda v: v if isinstance(v, str) else "bn{} w{} s{}".format(*v),
+)
+def test_decode_tunings(kv, tiling, report):
+    """Every tiling the decode tuning sweep may pick, at the server's shape (32 q / 8 KV heads,
+    page 16), split 1..8 ways, against float64."""
+    block_n, warps, stages = tiling
+    dtype = FP8 if kv == "fp8" else torch.bfloat16
     lens = [4096, 1, 16384, 4095, 129, 2049, 7, 30000]
-    kc, vc, ks, vs, table, sl = paged_kv(lens, 8, 128, 16, dtype, DEV, seed=keys_major + block_n)
-    q = queries(len(lens), 32, 128, DEV, seed=stages)
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 8, 128, 16, dtype, DEV, seed=block_n + stages)
+    q = queries(len(lens), 32, 128, DEV, seed=warps)
     ref = pa.reference_decode(q, kc, vc, table, sl, 16, 128**-0.5, ks, vs)
     for splits in (1, 3, 8):
         out = pa.decode_fwd(
             q, kc, vc, table, sl, 16, 128**-0.5, out=poisoned(q.shape, q.dtype, DEV),
-            k_scale=ks, v_scale=vs, num_splits=splits, keys_major=keys_major,
-            block_n=block_n, num_warps=warps, num_stages=stages, kv_mode=kv_mode,
+            k_scale=ks, v_scale=vs, num_splits=splits, block_n=block_n, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
         assert_close_rel(out, ref, TUNED_TOL, f"splits {splits}")
-    report(f"GPU decode {_name(dtype)} km{keys_major} bn{block_n} {kv_mode or ''}: rel err "
-           f"{rel_err(out, ref):.1e}")  # fmt: skip
+    report(f"GPU decode {kv} bn{block_n} w{warps} s{stages}: rel err {rel_err(out, ref):.1e}")

@@ -227,6 +227,15 @@ def test_dense_model_has_no_sparse_path():
         backend.forward_sparse(q, k, v, iq, ik, _layer(0), fb)
 
 
+def test_sparse_model_opts_out_of_prefill_cuda_graphs():
+    """Sparse layers call forward_sparse outside RadixAttention's eager section, so a captured
+    prefill body must not replay them; a dense model keeps SGLang's prefill graphs."""
+    sparse, runner = _backend(_hf())
+    assert not sparse.can_run_prefill_cuda_graph(_extend_batch(runner, 10))
+    dense, runner = _backend({})
+    assert dense.can_run_prefill_cuda_graph(_extend_batch(runner, 10))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_reference_cpu_kernels_serve_the_sparse_path_like_triton(monkeypatch, kv_dtype):
     """SGL_ATOM_CPU_KERNELS=reference swaps the sparse launchers too: the same index keys

@@ -160,51 +160,8 @@ def test_verify(case, num_draft):
     assert_close_rel(out, ref, TOL)
 
 
-@pytest.mark.parametrize("keys_major", [1, 2], ids=["k-lead", "kv-lead"])
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_decode_keys_major(case, keys_major):
-    """The key tile as the first dot operand (K dot only, or K and V dots) computes decode."""
-    ps, hq, hkv, d, dt = case
-    lens = [63, 1, 130]
-    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=ps + d + keys_major)
-    q = queries(len(lens), hq, d, DEV, seed=keys_major)
-    out = pa.decode_fwd(q, kc, vc, table, sl, ps, d**-0.5, out=_out(q), k_scale=ks, v_scale=vs,
-                        num_splits=2, keys_major=keys_major)  # fmt: skip
-    assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs), TOL)
-
-
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["q-bf16", "q-fp16"])
-@pytest.mark.parametrize("keys_major", [1, 2], ids=["k-lead", "kv-lead"])
-def test_decode_fp8_dots(keys_major, q_dtype):
-    """kv_mode 'e4m3': K and V stay e4m3 in fp8 dots, q and the probabilities each split in two
-    e4m3 terms. Sequence 1 has one key aligned with its queries 30 nats above the rest (most
-    probabilities tiny); the per-tile scale of p keeps the rest of that softmax's mass."""
-    ps, hq, hkv, d = 16, 8, 2, 128
-    lens = [63, 300, 1, 130]
-    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=11 + keys_major)
-    q = queries(len(lens), hq, d, DEV, seed=keys_major).to(q_dtype)
-    slot = int(table[1, 5]) * ps + 3  # sequence 1, key 83
-    qg = q[1].float().view(hkv, hq // hkv, d).mean(1)  # each KV head's mean query
-    k_spike = qg * (30.0 * d**0.5 / (qg * qg).sum(-1, keepdim=True))  # mean query scores 30
-    ks[slot] = k_spike.abs().amax(-1) / 448
-    kc[slot] = (k_spike / ks[slot][:, None]).to(FP8)
-    ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
-    out = pa.decode_fwd(q, kc, vc, table, sl, ps, d**-0.5, out=_out(q), k_scale=ks, v_scale=vs,
-                        num_splits=2, keys_major=keys_major, kv_mode="e4m3")  # fmt: skip
-    assert_close_rel(out, ref, TOL)
-    assert_close_rel(out[1], ref[1], TOL, "the spiked sequence")
-
-
-def test_fp8_dots_need_the_keys_major_kernel():
-    kc, vc, ks, vs, table, sl = paged_kv([20], 2, 64, 16, FP8, DEV)
-    q = queries(1, 4, 64, DEV)
-    with pytest.raises(ValueError, match="keys_major 1|2"):
-        pa.decode_fwd(q, kc, vc, table, sl, 16, 0.125, k_scale=ks, v_scale=vs, kv_mode="e4m3")
-
-
-@pytest.mark.parametrize("keys_major", [0, 2], ids=["q-lead", "kv-lead"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_id)
-def test_verify_non_causal(case, keys_major):
+def test_verify_non_causal(case):
     """causal=False: every draft row sees all of its sequence's keys, its own block included
     (each row is then a decode over the whole sequence)."""
     ps, hq, hkv, d, dt = case
@@ -212,7 +169,7 @@ def test_verify_non_causal(case, keys_major):
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=11)
     q = queries(len(lens) * num_draft, hq, d, DEV, seed=12)
     out = pa.verify_fwd(q, kc, vc, table, sl, ps, d**-0.5, num_draft, out=_out(q), k_scale=ks,
-                        v_scale=vs, num_splits=3, causal=False, keys_major=keys_major)  # fmt: skip
+                        v_scale=vs, num_splits=3, causal=False)  # fmt: skip
     rows = torch.arange(len(lens), device=DEV).repeat_interleave(num_draft)
     ref = pa.reference_decode(q, kc, vc, table[rows].contiguous(), sl[rows].contiguous(), ps,
                               d**-0.5, ks, vs)  # fmt: skip

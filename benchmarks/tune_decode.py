@@ -1,9 +1,7 @@
 """Paged decode at the server benchmark's shapes (Llama-3-8B attention: 32 q / 8 KV heads,
-head_dim 128, page 16): the q-rows-lead kernel against the keys-major one (the key tile as the
-first dot operand, `kernels.paged_attention.common.attend_tile_keys_major`), bf16 and fp8 KV,
-over tilings.
+head_dim 128, page 16), bf16 and fp8 KV, over tilings and split plans.
 
-    python3 benchmarks/tune_decode_keys_major.py [--quick] [--write-config FILE]
+    python3 benchmarks/tune_decode.py [--quick] [--write-config FILE]
 
 Each variant is first checked against the float64 reference on the timed inputs' first
 sequences (relative error printed; a variant over 1e-2 is reported and not timed). Timing is
@@ -35,8 +33,8 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(64, 4096), (16, 16384), (128, 2048), (8, 32768), (1, 16384)]
 GRAPH_CONTEXT = 32768  # the split plan of a captured graph is made for the context bound
 DEFAULTS = {  # the launcher's built-in choice (decode._config), as a tuning entry
-    "bf16": dict(keys_major=0, block_n=64, num_warps=4, num_stages=4, waves=2.0),
-    "fp8": dict(keys_major=0, block_n=128, num_warps=4, num_stages=3, waves=2.0),
+    "bf16": dict(block_n=64, num_warps=4, num_stages=4, waves=2.0),
+    "fp8": dict(block_n=128, num_warps=4, num_stages=3, waves=2.0),
 }
 
 
@@ -45,7 +43,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def variants(fp8: bool, quick: bool) -> list[dict]:
-    """The default first, then keys_major x tiling x split waves."""
+    """The default first, then tiling x split waves."""
     default = DEFAULTS["fp8" if fp8 else "bf16"]
     if fp8:
         tiles = [(128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
@@ -54,19 +52,15 @@ def variants(fp8: bool, quick: bool) -> list[dict]:
     if quick:
         tiles = tiles[:3]
     out = [dict(default)]
-    for k, (bn, w, s), waves in itertools.product((0, 1, 2), tiles, (2.0, 4.0)):
-        cfg = dict(keys_major=k, block_n=bn, num_warps=w, num_stages=s, waves=waves)
+    for (bn, w, s), waves in itertools.product(tiles, (2.0, 4.0)):
+        cfg = dict(block_n=bn, num_warps=w, num_stages=s, waves=waves)
         if cfg != default:
             out.append(cfg)
-        if fp8 and k:  # fp8 dots (K/V never converted), keys-major only
-            out.append(dict(cfg, kv_mode="e4m3"))
     return out
 
 
 def name(cfg: dict) -> str:
-    mode = f" {cfg['kv_mode']}" if "kv_mode" in cfg else ""
-    tiling = "km{keys_major} bn{block_n} w{num_warps} s{num_stages} waves{waves:g}".format(**cfg)
-    return tiling + mode
+    return "bn{block_n} w{num_warps} s{num_stages} waves{waves:g}".format(**cfg)
 
 
 def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list, speed: dict):
@@ -121,7 +115,7 @@ def write_config(path: str, speed: dict, argv: list[str]) -> None:
     doc = {
         "device": torch.cuda.get_device_name(0),
         "date": datetime.date.today().isoformat(),
-        "command": "python3 benchmarks/tune_decode_keys_major.py " + " ".join(argv),
+        "command": "python3 benchmarks/tune_decode.py " + " ".join(argv),
         "shapes": [f"{b}x{c}" for b, c in SHAPES],
         "decode": decode,
     }
