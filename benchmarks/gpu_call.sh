@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh kernels|tune-kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]
-# kernels, tune-decode and tune-kernels need torch and Triton only: they run on part 1 alone (the
-# first call of the two-call routine). tune-kernels writes the measured decode tuning to
+#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-spec|tune-decode|nixl
+# kernels, tune-decode, tune-kernels and ncu-decode need torch and Triton only: they run on part
+# 1 alone (the first call of the two-call routine).
+# tune-kernels writes the measured decode tuning to
 # $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
 # calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json.
 # GPU_BUNDLE names the bundle folder (default .gpu). The bundle: parts 1 and 2 from ../shared/gpu/bundle.sh, part 3 (NIXL for the atom P/D backend)
@@ -12,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: gpu_call.sh WHAT [args]}; shift
 case "$what" in
-  kernels|tune-decode|tune-kernels)
+  kernels|tune-decode|tune-kernels|ncu-decode)
     # shellcheck disable=SC1091
     source "${GPU_BUNDLE:-.gpu}/device-env.sh" || {
       echo "gpu_call: SGLang bundle incomplete; $what needs torch and Triton only"
@@ -38,8 +39,18 @@ case "$what" in
   bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench-spec) python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log" ;;
+  ncu-decode)
+    for kv in bf16 fp8; do
+      ncu --clock-control none --kernel-name regex:decode_fwd_kernel --launch-skip 2 \
+        --launch-count 1 --set full --import-source yes -f -o "$OUT/decode_$kv" \
+        python3 benchmarks/profile_decode.py --kv $kv "$@" >> "$OUT/ncu_decode.log" 2>&1
+      ncu --import "$OUT/decode_$kv.ncu-rep" --page details > "$OUT/decode_${kv}_details.txt" 2>&1
+      ncu --import "$OUT/decode_$kv.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/decode_${kv}_sass.csv" 2>&1
+    done
+    tail -n 40 "$OUT"/decode_*_details.txt ;;
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh kernels|tune-kernels|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]"; exit 2 ;;
 esac

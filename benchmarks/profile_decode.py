@@ -1,0 +1,44 @@
+"""One paged decode at a server shape, launched a few times, for Nsight Compute to read.
+
+    ncu --clock-control none --kernel-name regex:decode_fwd_kernel --launch-skip 2 \
+        --launch-count 1 --set full --import-source yes -o OUT \
+        python3 benchmarks/profile_decode.py --kv fp8 [--batch 64 --ctx 4096]
+
+`bash benchmarks/gpu_call.sh ncu-decode` profiles bf16 and fp8 at b64 x 4K (32 q / 8 KV heads,
+head_dim 128, page 16: the Llama-3-8B step of the server benchmark) and writes each report's
+details and its per-instruction (SASS) stall samples as text. The question it answers: why the
+fp8 kernel takes the bf16 kernel's time for half the bytes (benchmarks/results/tune_decode.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+from bench_paged_attention import HQ, D, paged  # noqa: E402
+from common import import_kernels  # noqa: E402
+
+pa = import_kernels("paged_attention")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kv", choices=("bf16", "fp8"), required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--launches", type=int, default=4)
+    args = ap.parse_args()
+    k, v, ks, vs, table, lens = paged(args.batch, args.ctx, 16, args.kv == "fp8", kv_heads=8)
+    q = torch.randn(args.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    for _ in range(args.launches):
+        pa.decode_fwd(q, k, v, table, lens, 16, D**-0.5, out=out, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    print(f"decode {args.kv} b{args.batch} x {args.ctx}: {args.launches} launches done")
+
+
+if __name__ == "__main__":
+    main()
