@@ -29,45 +29,15 @@ def import_kernels(family: str):
 
 
 def time_ms(fn: Callable[[], object], graph: bool = True, rep: int = 100) -> float:
-    """Median ms per call of `fn`: CUDA-graph replay when `graph`, else triton's do_bench."""
+    """Median ms per call of `fn`: replays of one CUDA graph of back-to-back calls (about 10 ms
+    of them) when `graph` (no launch gaps; Triton's do_bench_cudagraph), else Triton's
+    do_bench over `rep` ms (one launch per call, L2 flushed between calls)."""
     import triton.testing
 
     if not graph:
         return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-    return _graph_ms(fn)
-
-
-def _events_ms(run, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
-def _graph_ms(fn: Callable[[], object], target_ms: float = 10.0, max_calls: int = 200) -> float:
-    """Capture up to `max_calls` back-to-back calls in one graph; median of 15 replays / calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compile and warm up outside the capture
-            fn()
-        torch.cuda.synchronize()
-        est = min(_events_ms(fn, 5))
-        calls = max(1, min(max_calls, int(target_ms / max(est, 1e-3))))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=side):
-            for _ in range(calls):
-                fn()
-        torch.cuda.synchronize()
-        g.replay()
-        times = sorted(_events_ms(g.replay, 15))
-    torch.cuda.synchronize()
-    return times[len(times) // 2] / calls
+    fn()  # compile outside the timing (do_bench_cudagraph warms up with one call)
+    return triton.testing.do_bench_cudagraph(fn, rep=min(rep, 10), return_mode="median")
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
