@@ -165,7 +165,7 @@ LEDGER: tuple[LedgerEntry, ...] = (
         target="sglang.srt.server_args.ServerArgs.add_cli_args",
         why=(
             "SGLang builds its parser from ServerArgs fields and has no API for a plugin's own "
-            "flags. The AFTER hook adds the flags declared with cli_args.add_flag (today "
+            "flags. The AFTER hook adds the flags declared with cli_flags.add_flag (today "
             "--spec-decode-kv-cache-dtype, the alias of --speculative-draft-kv-cache-dtype)."
         ),
         upstream="sglang 0.5.23 srt/server_args.py ServerArgs.add_cli_args",

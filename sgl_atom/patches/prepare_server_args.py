@@ -2,32 +2,17 @@
 
 ``ServerArgs.from_cli_args`` copies known fields only, so the values of the flags added by
 ``patches.cli_args`` are dropped. An AFTER hook on ``prepare_server_args`` re-reads them from
-``argv`` into ``server_args._sgl_atom_cli`` (a ``{dest: value}`` dict of the flags given);
-``_``-prefixed attributes that are not fields ride along when ServerArgs is pickled to the
-scheduler processes. Ledger: ``sgl_atom.patches.LEDGER``.
+``argv`` into ``server_args._sgl_atom_cli`` (``cli_flags.ATTR``: a ``{dest: value}`` dict of the
+flags given); ``_``-prefixed attributes that are not fields ride along when ServerArgs is
+pickled to the scheduler processes. Ledger: ``sgl_atom.patches.LEDGER``.
 """
 
 from __future__ import annotations
 
-import argparse
-
-from . import cli_args, register_once
+from ..cli_flags import ATTR, parse_flags
+from . import register_once
 
 TARGET = "sglang.srt.server_args.prepare_server_args"
-ATTR = "_sgl_atom_cli"
-
-
-def parse_flags(argv: list[str]) -> dict[str, str]:
-    """The sgl_atom flags given in ``argv`` (omitted ones left out)."""
-    # abbreviations as SGLang's parser accepts them (it already refused ambiguous ones)
-    parser = argparse.ArgumentParser(add_help=False)
-    cli_args.add_flags(parser)
-    ns, _ = parser.parse_known_args(list(argv))
-    return {k: v for k, v in vars(ns).items() if v is not None}
-
-
-def cli_values(server_args) -> dict[str, str]:
-    return dict(getattr(server_args, ATTR, None) or {})
 
 
 def record_sgl_atom_flags(server_args, argv, *a, **kw):

@@ -208,11 +208,11 @@ def register() -> list[str]:
     """Declare the option's CLI alias and register its resolution hook (SGLang's API); the
     patches that carry the alias and price the draft pool are installed by
     ``sgl_atom.patches.install``."""
-    from ..patches import cli_args
+    from .. import cli_flags
     from . import draft_kv_resolution
 
-    cli_args.add_flag(
-        cli_args.Flag(
+    cli_flags.add_flag(
+        cli_flags.Flag(
             name=ALIAS_FLAG,
             dest=ALIAS_DEST,
             choices=CHOICES,

@@ -9,9 +9,9 @@ FROZEN_KV_MTP), stored as ``server_args._sgl_atom_draft_kv`` and declared onto S
 
 from __future__ import annotations
 
+from ..cli_flags import cli_values
 from ..dtypes import short_of_torch
 from ..log import get_logger
-from ..patches.prepare_server_args import cli_values
 from .draft_kv_dtype import (
     ALIAS_DEST,
     ALIAS_FLAG,

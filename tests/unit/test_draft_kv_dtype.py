@@ -267,6 +267,7 @@ def hooked():
     from sglang.srt.model_executor import pool_configurator
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from sgl_atom import cli_flags
     from sgl_atom.patches import cli_args, pool_budget, prepare_server_args
     from sgl_atom.speculative import draft_kv_resolution
 
@@ -276,7 +277,7 @@ def hooked():
         (pool_configurator, "create_memory_pool_configurator"),
     ]
     saved = [(owner, name, owner.__dict__[name], getattr(owner, name)) for owner, name in originals]
-    flags = dict(cli_args.FLAGS)
+    flags = dict(cli_flags.FLAGS)
     HookRegistry.reset()
     names = dk.register()
     assert dk.register() == names  # idempotent
@@ -295,8 +296,8 @@ def hooked():
                 continue
             if stale:
                 setattr(mod, name, plain)
-    cli_args.FLAGS.clear()
-    cli_args.FLAGS.update(flags)
+    cli_flags.FLAGS.clear()
+    cli_flags.FLAGS.update(flags)
     hooks = resolution_hooks._HOOKS.get(draft_kv_resolution.STEP, [])
     while draft_kv_resolution.settle_draft_kv in hooks:
         hooks.remove(draft_kv_resolution.settle_draft_kv)

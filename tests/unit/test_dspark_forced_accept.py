@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_atom.patches import prepare_server_args
+from sgl_atom import cli_flags
 from sgl_atom.speculative.dspark import forced_accept as fa
 
 
@@ -37,7 +37,7 @@ def test_off_unless_given_and_accepts_0_to_k_minus_1():
 
 def _server_args(algorithm, k, value=None):
     sa = SimpleNamespace(speculative_algorithm=algorithm, speculative_num_steps=k)
-    setattr(sa, prepare_server_args.ATTR, {} if value is None else {fa.DEST: value})
+    setattr(sa, cli_flags.ATTR, {} if value is None else {fa.DEST: value})
     return sa
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...patches.prepare_server_args import cli_values
+from ...cli_flags import cli_values
 
 FLAG = "--atom-dspark-forced-accept"
 DEST = "atom_dspark_forced_accept"
@@ -94,10 +94,10 @@ def register() -> list[str]:
     ``patches.prepare_server_args``, installed by the plugin for every sgl_atom flag."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS, register_resolution_hook
 
-    from ...patches import cli_args
+    from ... import cli_flags
 
-    cli_args.add_flag(
-        cli_args.Flag(
+    cli_flags.add_flag(
+        cli_flags.Flag(
             name=FLAG,
             dest=DEST,
             choices=None,
