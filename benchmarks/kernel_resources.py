@@ -1,0 +1,94 @@
+"""What the paged decode kernel costs in registers, spills and shared memory on Hopper, and
+which of its loads Triton software-pipelines, read without a GPU: the kernel is compiled ahead
+of time for sm_90 (Triton's own compiler and its bundled ptxas), on any machine.
+
+    python benchmarks/kernel_resources.py [--maxnreg 128,168]
+
+One row per variant (bf16 and fp8 KV at the server's shape: 32 q / 8 KV heads, head_dim 128,
+page 16, the launcher's tilings and a few others): registers per thread, spill bytes, shared
+memory, the warps an SM can hold by registers (65,536 per SM), and how many loads Triton turned
+into asynchronous copies (`async_copy_global_to_local` in the TTGIR: pipelined ahead of use).
+A K/V tile load that is not among them is issued and waited for in the same iteration.
+The Triton here is the one this machine has (the CPU venv pins 3.8; the H200 image has 3.6):
+check a conclusion against the device's own compile before leaning on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton  # noqa: E402
+from common import format_table, import_kernels  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+decode = import_kernels("paged_attention.decode")
+KERNEL = decode.decode_fwd_kernel
+STRIDES = ["stride_qt", "stride_qh", "stride_kt", "stride_vt", "stride_st", "stride_pt"]
+STRIDES += ["stride_opt", "stride_oph", "stride_ops", "stride_lt", "stride_lh"]
+VARIANTS = [  # (kv, block_n, num_warps, num_stages)
+    ("bf16", 64, 4, 4),
+    ("bf16", 128, 4, 3),
+    ("fp8", 128, 4, 3),
+    ("fp8", 64, 4, 3),
+    ("fp8", 128, 8, 3),
+]
+
+
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, maxnreg: int | None):
+    fp8 = kv == "fp8"
+    kv_t = "*fp8e4nv" if fp8 else "*bf16"
+    sig = {"Q": "*bf16", "K": kv_t, "V": kv_t, "KS": "*fp32", "VS": "*fp32", "PT": "*i32"}
+    sig |= {"SL": "*i32", "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "num_splits": "i32"}
+    sig |= {name: "i32" for name in STRIDES}
+    const = dict(GROUP=4, NUM_Q=1, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, HEAD_DIM=128)
+    const |= dict(FP8=fp8, KV_MODE=3 if fp8 else 0, DOT_F32=False, CAUSAL=True)
+    sig |= {name: "constexpr" for name in const}
+    where = {(KERNEL.arg_names.index(k),): v for k, v in const.items()}
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    src = ASTSource(fn=KERNEL, signature=sig, constexprs=where)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_report(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill store bytes) from ptxas -v on the kernel's PTX."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        cmd = [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return regs, int(spill.group(1)) if spill else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--maxnreg", default="", help="also compile with these register caps")
+    args = ap.parse_args()
+    caps = [None] + [int(c) for c in args.maxnreg.split(",") if c]
+    rows = []
+    for (kv, bn, warps, stages), cap in ((v, c) for v in VARIANTS for c in caps):
+        k = compile_decode(kv, bn, warps, stages, cap)
+        regs, spill = ptxas_report(k.asm["ptx"])
+        warps_per_sm = min(64, 65536 // (regs * 32) // warps * warps)
+        pipelined = k.asm["ttgir"].count("async_copy_global_to_local")
+        rows.append([kv, f"bn{bn} w{warps} s{stages}", cap or "-", regs, spill,
+                     k.metadata.shared, warps_per_sm, pipelined])  # fmt: skip
+    head = ["kv", "tiling", "maxnreg", "regs", "spill B", "smem B", "warps/SM", "async copies"]
+    print(f"paged decode on sm_90 (Triton {triton.__version__}), 32 q / 8 KV heads, d128, page 16")
+    print(format_table(head, rows))
+
+
+if __name__ == "__main__":
+    main()
