@@ -8,9 +8,10 @@ from setuptools import find_packages, setup
 
 packages = ["sgl_atom", "sgl_atom.csrc"] + [f"sgl_atom.{p}" for p in find_packages("sgl_atom")]
 packages += ["sgl_atom.kernels"] + [f"sgl_atom.kernels.{p}" for p in find_packages("kernels")]
+packages += ["sgl_atom.attention.tuned"]  # decode tuning files (data only)
 
 setup(
     packages=packages,
-    package_data={"sgl_atom.csrc": ["*.c"], "sgl_atom.attention": ["tuned/*.json"]},
+    package_data={"sgl_atom.csrc": ["*.c"], "sgl_atom.attention.tuned": ["*.json"]},
     package_dir={"sgl_atom": "sgl_atom", "sgl_atom.kernels": "kernels"},
 )

@@ -114,9 +114,10 @@ SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
 )
 SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS = EnvVar(
     "SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS",
-    4000,
+    10000,
     "atom P/D transfer backend, decode side: a prefill rank silent this long is lost; its "
-    "in-flight requests fail and the next request to it bootstraps again.",
+    "in-flight requests fail and the next request to it bootstraps again. Lower it for faster "
+    "failure where schedulers never stall for seconds (a false loss fails live requests).",
 )
 SGL_ATOM_REQUEST_CHECKS = EnvVar(
     "SGL_ATOM_REQUEST_CHECKS",

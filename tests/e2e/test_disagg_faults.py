@@ -4,9 +4,9 @@ One group of processes on 127.0.0.1 (tiny llama, atom attention, reference kerne
 server (the reference, stopped once its outputs are taken), a prefill and a decode behind
 SGLang's PD router. The decode keeps SGLang's default bootstrap heartbeat (5 s, 2 misses, which
 notices a stopped prefill after 11-16 s): what fails its requests within seconds is the atom
-transfer session's own heartbeat (``SGL_ATOM_PD_HEARTBEAT_*``, defaults). The router runs with
-the fail-fast settings the README gives (health checks every second, no retries, no circuit
-breaker), so a request either returns its output or a clear error.
+transfer session's own heartbeat (``SGL_ATOM_PD_HEARTBEAT_*``, timeout 4000 ms). The router
+runs with the fail-fast settings the README gives (health checks every second, no retries, no
+circuit breaker), so a request either returns its output or a clear error.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from sgl_atom.testing.server import Server, ServerPool, free_port
 PROMPTS = word_prompts(200, seed=43, min_words=3, max_words=10)
 MAX_NEW = 8
 CONCURRENCY = 32
-ENV = {**PD_ENV, "SGL_ATOM_CPU_KERNELS": "reference"}
+# the transfer session's heartbeat is what these tests measure: its fast setting
+ENV = {**PD_ENV, "SGL_ATOM_CPU_KERNELS": "reference", "SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS": "4000"}
 ARGS = ["--attention-backend", "atom", "--max-running-requests", str(CONCURRENCY)]
 # detection: heartbeat timeout (4 s) + one interval (1 s) + the decode scheduler's next poll
 ORPHAN_BOUND_S = 8.0

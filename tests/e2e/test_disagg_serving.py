@@ -41,8 +41,10 @@ from sgl_atom.testing.server import Server, free_port
 
 PROMPTS = word_prompts(16, seed=31, min_words=4, max_words=16)
 MAX_NEW = 16
-# UCX over TCP. Control sockets and UCX listen on --host (127.0.0.1) by default.
-PD_ENV = {"UCX_TLS": "tcp,self"}
+# UCX over TCP. Control sockets and UCX listen on --host (127.0.0.1) by default. Up to six
+# servers share two cores here and a scheduler can stall for seconds: the transfer session's
+# heartbeat (not under test in these modules) gets a timeout no stall reaches.
+PD_ENV = {"UCX_TLS": "tcp,self", "SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS": "30000"}
 SPEC_ENV = {
     **PD_ENV,
     "SGL_ATOM_CPU_KERNELS": "reference",
