@@ -122,6 +122,8 @@ class AtomAttnBackend(AttentionBackend):
         name = torch.cuda.get_device_name(torch.device(self.device))
         kv = "fp8" if self.fp8 else "bf16"
         tuning, source = decode_tuning.load(kv, name, envs.SGL_ATOM_DECODE_TUNING.get())
+        if self.fp8:
+            decode_tuning.check_kv_mode(tuning, self.data_type, source)
         logger.info("atom decode (%s KV on %s): %s, from %s", kv, name, tuning.describe(), source)
         return tuning
 
@@ -256,10 +258,6 @@ class AtomAttnBackend(AttentionBackend):
             meta.qo_indptr = st["qo_indptr"][: bs + 1]
         meta.max_kv_len = self.max_context_len
         meta.num_splits = self._num_splits(bs, self.max_context_len, meta.num_draft == 0)
-
-    def graph_num_splits(self, bs: int) -> int:
-        """Context splits of a captured decode graph of ``bs`` requests."""
-        return self._num_splits(bs, self.max_context_len, True)
 
     def _num_splits(self, bs: int, max_kv: int, decode: bool) -> int:
         waves = self.decode_tuning.waves if decode else 2.0

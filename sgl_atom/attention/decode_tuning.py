@@ -20,6 +20,10 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import torch
+
+from ..kernels.paged_attention.common import kv_mode_id
+
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 KV_KINDS = ("bf16", "fp8")
 
@@ -99,3 +103,14 @@ def load(kv: str, device_name: str, path: str = "") -> tuple[DecodeTuning, str]:
     if not isinstance(decode, dict) or kv not in decode:
         raise DecodeTuningError(f"decode tuning file {file}: no 'decode' entry for {kv!r} KV")
     return parse(decode[kv], f"decode tuning file {file}, decode.{kv}"), str(file)
+
+
+def check_kv_mode(tuning: DecodeTuning, q_dtype: torch.dtype, source: str) -> None:
+    """Refuse at start-up an fp8 ``kv_mode`` the model's dtype cannot take ("bits" needs a
+    bf16 model), instead of at the first decode."""
+    if tuning.kv_mode is None:
+        return
+    try:
+        kv_mode_id(tuning.kv_mode, torch.empty(0, dtype=q_dtype))
+    except ValueError as e:
+        raise DecodeTuningError(f"decode tuning from {source}: {e}") from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sgl_atom.attention import decode_tuning as dt
 
@@ -72,3 +73,11 @@ def test_committed_files_parse():
         for kv in dt.KV_KINDS:
             tuning, source = dt.load(kv, json.loads(file.read_text())["device"])
             assert source == str(file) and isinstance(tuning, dt.DecodeTuning)
+
+
+def test_kv_mode_the_model_cannot_take_is_refused_at_start_up():
+    bits = dt.DecodeTuning(kv_mode="bits")
+    dt.check_kv_mode(bits, torch.bfloat16, "f.json")  # bf16 model: fine
+    with pytest.raises(dt.DecodeTuningError, match="f.json: kv_mode 'bits' needs a bf16 q"):
+        dt.check_kv_mode(bits, torch.float16, "f.json")
+    dt.check_kv_mode(dt.DecodeTuning(), torch.float16, "f.json")  # no mode: the default
