@@ -32,9 +32,8 @@ pa = import_kernels("paged_attention")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(64, 4096), (16, 16384), (128, 2048), (8, 32768), (1, 16384)]
 GRAPH_CONTEXT = 32768  # the split plan of a captured graph is made for the context bound
-DEFAULTS = {  # the launcher's built-in choice (decode._config), as a tuning entry
-    "bf16": dict(block_n=64, num_warps=4, num_stages=4, waves=2.0),
-    "fp8": dict(block_n=128, num_warps=4, num_stages=3, waves=2.0),
+DEFAULTS = {  # the launcher's built-in choice (16 query rows: GQA 4), as a tuning entry
+    kv: dict(pa.decode._config(D, 16, kv == "fp8", cpu=False), waves=2.0) for kv in ("bf16", "fp8")
 }
 
 
