@@ -6,7 +6,9 @@
 # 1 alone (the first call of the two-call routine).
 # tune-kernels writes the measured decode tuning to
 # $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
-# calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json.
+# calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json. It then writes the kernel's
+# resources as Triton compiles it here, profiles the tuned decode (ncu-decode) and runs the
+# kernel tests.
 # GPU_BUNDLE names the bundle folder (default .gpu). The bundle: parts 1 and 2 from ../shared/gpu/bundle.sh, part 3 (NIXL for the atom P/D backend)
 # from scripts/gpu_bundle_pd.sh; part 3 is small enough to travel with part 1.
 set -uo pipefail
@@ -33,6 +35,9 @@ case "$what" in
     python3 benchmarks/tune_decode.py --write-config "$OUT/decode_tuning.json" "$@" 2>&1 \
       | tee "$OUT/tune_decode.log"
     [ -f "$OUT/decode_tuning.json" ] && cp "$OUT/decode_tuning.json" /tmp/decode_tuning.json
+    python3 benchmarks/kernel_resources.py --maxnreg 128 > "$OUT/kernel_resources.log" 2>&1
+    [ -f /tmp/decode_tuning.json ] && export SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json
+    timeout 150 bash "$0" ncu-decode > /dev/null 2>&1
     kernel_tests ;;
   tier) python3 -m pytest -q -rsx tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_server_tests.log"
         for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log" ;;

@@ -8,6 +8,8 @@
 head_dim 128, page 16: the Llama-3-8B step of the server benchmark) and writes each report's
 details and its per-instruction (SASS) stall samples as text. The question it answers: why the
 fp8 kernel takes the bf16 kernel's time for half the bytes (benchmarks/results/tune_decode.log).
+The launch is the atom backend's: the decode tuning it would load on this device
+(SGL_ATOM_DECODE_TUNING, else the committed file) and its split plan for a 32K-context graph.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import torch  # noqa: E402
 from bench_paged_attention import HQ, D, paged  # noqa: E402
 from common import import_kernels  # noqa: E402
 
+from sgl_atom import envs  # noqa: E402
+from sgl_atom.attention import decode_tuning  # noqa: E402
+
 pa = import_kernels("paged_attention")
+GRAPH_CONTEXT = 32768
 
 
 def main() -> None:
@@ -34,10 +40,16 @@ def main() -> None:
     k, v, ks, vs, table, lens = paged(args.batch, args.ctx, 16, args.kv == "fp8", kv_heads=8)
     q = torch.randn(args.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    device = torch.cuda.get_device_name(0)
+    tuning, source = decode_tuning.load(args.kv, device, envs.SGL_ATOM_DECODE_TUNING.get())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = pa.decode_num_splits(args.batch, 8, GRAPH_CONTEXT, sms, tuning.waves)
+    kw = dict(out=out, k_scale=ks, v_scale=vs, num_splits=splits, **tuning.kernel_kwargs())
     for _ in range(args.launches):
-        pa.decode_fwd(q, k, v, table, lens, 16, D**-0.5, out=out, k_scale=ks, v_scale=vs)
+        pa.decode_fwd(q, k, v, table, lens, 16, D**-0.5, **kw)
     torch.cuda.synchronize()
-    print(f"decode {args.kv} b{args.batch} x {args.ctx}: {args.launches} launches done")
+    print(f"decode {args.kv} b{args.batch} x {args.ctx}: {args.launches} launches, "
+          f"{tuning.describe()}, {splits} splits, from {source}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,24 +42,33 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def variants(fp8: bool, quick: bool) -> list[dict]:
-    """The default first, then tiling x split waves."""
+    """The default first, then tiling x split waves.
+
+    A tiling is (block_n, warps, stages, register cap). With an indirect (page-table) load in
+    the loop, Triton's pipeliner gives K/V one buffer, a single tile ahead, up to 4 stages, and
+    two buffers from 5 (benchmarks/kernel_resources.py); the cap trades registers for programs
+    per SM (fp8 needs ~170 registers uncapped: 3 programs of 4 warps)."""
     default = DEFAULTS["fp8" if fp8 else "bf16"]
     if fp8:
-        tiles = [(128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
+        tiles = [(128, 4, 3, None), (128, 4, 5, None), (64, 4, 6, None), (64, 4, 6, 128),
+                 (64, 4, 8, 128), (128, 4, 5, 128), (128, 8, 5, None), (64, 4, 4, 128)]  # fmt: skip
     else:
-        tiles = [(64, 4, 4), (128, 4, 3), (128, 8, 3)]
+        tiles = [(64, 4, 4, None), (64, 4, 6, None), (128, 4, 3, None), (128, 8, 5, None)]
     if quick:
         tiles = tiles[:3]
     out = [dict(default)]
-    for (bn, w, s), waves in itertools.product(tiles, (2.0, 4.0)):
+    for (bn, w, s, reg), waves in itertools.product(tiles, (2.0, 4.0)):
         cfg = dict(block_n=bn, num_warps=w, num_stages=s, waves=waves)
+        if reg:
+            cfg["maxnreg"] = reg
         if cfg != default:
             out.append(cfg)
     return out
 
 
 def name(cfg: dict) -> str:
-    return "bn{block_n} w{num_warps} s{num_stages} waves{waves:g}".format(**cfg)
+    reg = f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
+    return "bn{block_n} w{num_warps} s{num_stages}".format(**cfg) + reg + f" waves{cfg['waves']:g}"
 
 
 def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list, speed: dict):

@@ -266,6 +266,7 @@ def split_kv_attention(
     num_warps=None,
     num_stages=None,
     kv_mode=None,
+    maxnreg=None,
     causal=True,
 ):
     """Shared launcher of decode (num_q = 1) and verify (num_q = draft tokens per sequence;
@@ -306,6 +307,8 @@ def split_kv_attention(
     block_n = block_n or cfg["block_n"]
     kv_mode = kv_mode_id(kv_mode, q) if fp8 else 0
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
+    # a register cap per thread lets more programs share an SM (Triton's compile option)
+    launch = {"maxnreg": maxnreg} if maxnreg else {}
     decode_fwd_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
@@ -341,6 +344,7 @@ def split_kv_attention(
         CAUSAL=causal,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
+        **launch,
     )
     block_s = next_pow2(num_splits)
     decode_reduce_kernel[(tokens, q_heads)](
@@ -395,7 +399,7 @@ def decode_fwd(
     workspace: `decode_workspace(batch, q_heads, head_dim, max_splits)` buffers, for graphs.
     max_context: bound on seq_lens used to pick num_splits (default page_table width × page).
     tuning: block_n, num_warps, num_stages, kv_mode (fp8: a `KV_MODES` name, default by q's
-      dtype: `kv_mode_id`) overrides.
+      dtype: `kv_mode_id`), maxnreg (registers per thread, GPU only) overrides.
     Returns out.
     """
     return split_kv_attention(

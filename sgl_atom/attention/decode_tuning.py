@@ -40,6 +40,7 @@ class DecodeTuning:
     num_warps: int | None = None
     num_stages: int | None = None
     kv_mode: str | None = None  # fp8 KV: how K/V meet the dots (kernels' KV_MODES names)
+    maxnreg: int | None = None  # registers per thread (more programs per SM, no spill wanted)
     waves: float = 2.0  # programs per SM that decode_num_splits plans for
 
     def kernel_kwargs(self) -> dict:
@@ -59,6 +60,7 @@ _CHECKS = {
     "num_warps": lambda v: v in (1, 2, 4, 8, 16),
     "num_stages": lambda v: isinstance(v, int) and 1 <= v <= 8,
     "kv_mode": lambda v: v in ("bf16", "f16", "fp8", "bits"),
+    "maxnreg": lambda v: isinstance(v, int) and 32 <= v <= 255,
     "waves": lambda v: isinstance(v, (int, float)) and 0.25 <= v <= 64,
 }
 

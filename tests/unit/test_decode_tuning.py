@@ -17,7 +17,8 @@ def _write(tmp_path, decode) -> str:
 
 
 def test_file_overrides_defaults_per_kv(tmp_path):
-    fp8 = {"kv_mode": "bits", "block_n": 256, "num_warps": 8, "num_stages": 2, "waves": 4.0}
+    fp8 = {"kv_mode": "bits", "block_n": 256, "num_warps": 8, "num_stages": 5, "waves": 4.0}
+    fp8["maxnreg"] = 128
     path = _write(tmp_path, {"bf16": {"block_n": 64}, "fp8": fp8})
     tuning, source = dt.load("fp8", "any device", path)
     assert source == path
@@ -44,10 +45,12 @@ def test_device_file_name():
         ({"block_n": 96}, "block_n=96"),
         ({"kv_mode": "int4"}, "kv_mode='int4'"),
         ({"waves": 0}, "waves=0"),
+        ({"maxnreg": 16}, "maxnreg=16"),
+        ({"maxnreg": 128.0}, "maxnreg=128.0"),
         ({"num_warp": 4}, "unknown field(s) ['num_warp']"),
         ([128], "expected an object"),
     ],
-    ids=["block_n", "kv_mode", "waves", "typo", "not-object"],
+    ids=["block_n", "kv_mode", "waves", "maxnreg-low", "maxnreg-float", "typo", "not-object"],
 )
 def test_bad_entries_are_refused_by_name(tmp_path, entry, words):
     path = _write(tmp_path, {"fp8": entry})
