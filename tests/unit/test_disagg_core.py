@@ -426,26 +426,42 @@ def test_round_trip(msg):
     assert decode(encode(msg)) == msg
 
 
-def test_encode_refuses_what_decode_would():
+def test_failed_status_is_cut_to_the_cap():
     assert len(TransferStatus.failed(1, "é" * 9999).error) == wire.MAX_ERROR
-    for bad in (
-        TransferStatus(1, "done", "but an error"),
-        TransferStatus(1, "failed", "x" * (wire.MAX_ERROR + 1)),
-        TransferRequest(-1, 0, (), 0, 1),
-        TransferRequest(1, 0, (1.5,), 0, 1),
-        TransferRequest(1, 0, 7, 0, 1),
-        Handshake("router", 0, 1, 0, 1, (0, 1), (), (), "", b""),
-        Handshake("producer", 0, 1, 0, 1, (0, 1), (), (), "", "not bytes"),
-        Handshake("producer", 0, 1, 0, 1, (0, 1), ("region",), (), "", b""),
-        "not a message",
-    ):
-        with pytest.raises(WireError):
-            encode(bad)
+
+
+_HS = ("producer", 0, 1, 0, 1, (0, 1), (), (), "")
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (TransferStatus(1, "done", "but an error"), "a done transfer carries no error text"),
+        (TransferStatus(1, "failed", "x" * (wire.MAX_ERROR + 1)), r"\.error: .*at most 1024"),
+        (TransferRequest(-1, 0, (), 0, 1), r"\.room: .*greater than or equal to 0"),
+        (TransferRequest(1, 0, (1.5,), 0, 1), "wrong type.*field_name='page_ids'"),
+        (TransferRequest(1, 0, 7, 0, 1), "wrong type.*field_name='page_ids'"),
+        (TransferRequest(1, 0, (3, True), 0, 1), r"\.page_ids\[1\]: .*valid integer, got bool"),
+        (TransferRequest(1, 0, (), 0, 1, peers=0), r"\.peers: .*greater than or equal to 1"),
+        (wire.Heartbeat("a", "h:1", rooms=(2**64,)), r"\.rooms\[0\]: .*less than or equal"),
+        (Handshake("router", *_HS[1:], b""), r"Handshake\.role: .*'producer' or 'consumer'"),
+        (Handshake(*_HS, "not bytes"), "wrong type.*_to_base64.*bytes-like"),
+        (Handshake(*_HS[:6], ("region",), (), "", b""), "wrong type.*_region_json"),
+        ("not a message", "not a control message: str"),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, str) else None,
+)
+def test_encode_refuses_what_decode_would(bad, match):
+    with pytest.raises(WireError, match=match):
+        encode(bad)
 
 
 def _frame(obj, code=3, version=wire.VERSION, magic=wire.MAGIC, raw=None) -> bytes:
     body = raw if raw is not None else json.dumps(obj).encode()
     return wire.HEADER.pack(magic, version, code, 0, len(body)) + body
+
+
+_REQUEST = json.loads(encode(TransferRequest(5, 0, (1, 2), 0, 2))[wire.HEADER.size :])
 
 
 class _Boom:
@@ -467,15 +483,40 @@ class _Boom:
         (_frame({"room": 1.0, "status": "done", "error": ""}), "non-integer"),
         (_frame(None, raw=b'{"room": NaN, "status": "done", "error": ""}'), "non-integer"),
         (_frame(None, raw=b'{"room":1,"room":2,"status":"done","error":""}'), "duplicate key"),
-        (_frame({"room": True, "status": "done", "error": ""}), "expected an int"),
-        (_frame({"room": 1, "status": "done", "error": "", "x": 1}), "unknown fields"),
-        (_frame({"room": 1, "status": "done"}), "missing fields"),
-        (_frame({"room": 1, "status": "maybe", "error": ""}), "not one of"),
+        (_frame({"room": True, "status": "done", "error": ""}), r"\.room: .*valid integer"),
+        (_frame({"room": 1, "status": "done", "error": "", "x": 1}), r"\.x: unknown field"),
+        (_frame({"room": 1, "status": "done"}), r"missing fields \['error'\]"),
+        (_frame({"room": 1, "status": "maybe", "error": ""}), r"\.status: .*'done' or 'failed'"),
         (_frame(None, raw=b"[" * 100_000), "not valid JSON"),
         (_frame(None, raw=b'{"room": 1' + b"0" * 5000 + b"}"), "not valid JSON"),
         (_frame(None, raw=b"\xff\xfe"), "not valid JSON"),
         (_frame(None, raw=pickle.dumps(_Boom())), "not valid JSON"),
         (pickle.dumps(_Boom()), "bad magic|shorter"),
+        ("SAPD" + "\0" * 8, "a frame is bytes, got str"),
+        (wire.HEADER.pack(wire.MAGIC, wire.VERSION, 3, 1, 2) + b"{}", "reserved field 1"),
+        (_frame({"status": "done", "error": ""}), r"missing fields \['room'\]"),
+        (_frame([]), r"TransferStatus: input should be a dictionary"),
+        (_frame({"room": 2**64, "status": "done", "error": ""}), r"\.room: .*less than or equal"),
+        (_frame({"room": 1, "status": 5, "error": ""}), r"\.status: .*'done' or 'failed'"),
+        (_frame({"room": 1, "status": "failed", "error": "\ud800"}), r"\.error: .*unicode"),
+        (_frame({"room": 1, "status": "failed", "error": "e" * 1025}), r"\.error: .*at most 1024"),
+        (_frame({"room": 1, "status": "done", "error": "e"}), "done transfer carries no error"),
+        (
+            _frame({"agent_name": "a", "endpoint": "h", "reply": 1, "rooms": []}, code=4),
+            r"Heartbeat\.reply: .*valid boolean",
+        ),
+        (
+            _frame({"agent_name": "a", "endpoint": "h", "reply": False, "rooms": [0] * 65537}, 4),
+            r"Heartbeat\.rooms: .*at most 65536 items",
+        ),
+        (_frame({**_REQUEST, "page_ids": [0, 2**31]}, 2), r"\.page_ids\[1\]: .*less than or"),
+        (
+            _frame({**_REQUEST, "page_ids": [0] * (wire.MAX_PAGE_IDS + 1)}, 2),
+            r"\.page_ids: .*at most 1048576 items",
+        ),
+        (_frame({**_REQUEST, "head_count": 0}, 2), r"\.head_count: .*greater than or equal"),
+        (_frame({**_REQUEST, "aux_index": -2}, 2), r"\.aux_index: .*greater than or equal"),
+        (_frame({**_REQUEST, "agent_name": None}, 2), r"\.agent_name: .*valid string"),
     ],
 )
 def test_decode_refuses(frame, match):
@@ -484,23 +525,80 @@ def test_decode_refuses(frame, match):
     assert not _Boom.ran
 
 
-def test_decode_refuses_bad_handshakes():
-    good = json.loads(encode(_messages()[0])[wire.HEADER.size :])
-    for key, value, match in [
+def test_body_cap_holds_both_ways(monkeypatch):
+    frame = encode(TransferStatus.failed(3, "e" * 100))
+    monkeypatch.setattr(wire, "MAX_BODY", 64)
+    with pytest.raises(WireError, match="TransferStatus body is 1.. bytes, cap 64"):
+        encode(TransferStatus.failed(3, "e" * 100))
+    with pytest.raises(WireError, match=r"body length 1.. does not match .*\(cap 64\)"):
+        decode(frame)
+
+
+def _handshake_body() -> dict:
+    return json.loads(encode(_messages()[0])[wire.HEADER.size :])
+
+
+_B64_CAP = 4 * ((wire.MAX_AGENT_METADATA + 2) // 3)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
         ("tp_rank", 1, "rank tp 1/1"),
+        ("pp_rank", 2, "pp 2/2"),
+        ("tp_rank", 1024, r"\.tp_rank: .*less than or equal to 1023"),
         ("stage_layers", [5, 3], "is not \\[first, end\\)"),
+        ("stage_layers", [0], r"\.stage_layers\[1\]: field required"),
+        ("stage_layers", [0, 65537], r"\.stage_layers\[1\]: .*less than or equal"),
         ("region_addrs", [1, 2], "2 region_addrs for"),
+        ("region_bytes", [1], "1 region_bytes for"),
         ("region_devices", [0], "1 region_devices for"),
-        ("region_devices", [-2] * len(good["regions"]), "region_devices"),
-        ("agent_metadata", "!!!", "not valid base64"),
-    ]:
-        with pytest.raises(WireError, match=match):
-            decode(_frame({**good, key: value}, code=1))
-    region = {**good["regions"][0], "runs_per_page": 5}
-    with pytest.raises(WireError, match="runs_per_page 5 must divide"):
-        decode(
-            _frame({**good, "regions": [region], "region_addrs": [], "region_devices": []}, code=1)
-        )
+        ("region_devices", [-2], r"\.region_devices\[0\]: .*greater than or equal to -1"),
+        ("agent_metadata", "!!!", "agent_metadata: not valid base64"),
+        ("agent_metadata", "A" * (_B64_CAP + 4), "agent_metadata: expected base64 of at most"),
+        ("agent_metadata", 7, "agent_metadata: expected base64"),
+        ("agent_name", "n" * 257, r"\.agent_name: .*at most 256"),
+        ("status_port", 65536, r"\.status_port: .*less than or equal to 65535"),
+        ("aux", [[1, 2]], r"\.aux\[0\]\[2\]: field required"),
+        ("aux", [[1, 2, 3]] * 65, r"\.aux: .*at most 64 items"),
+        ("role", "router", r"\.role: .*'producer' or 'consumer'"),
+        ("extra", 1, r"Handshake\.extra: unknown field"),
+    ],
+)
+def test_decode_refuses_bad_handshakes(key, value, match):
+    with pytest.raises(WireError, match=match):
+        decode(_frame({**_handshake_body(), key: value}, code=1))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(runs_per_page=5), r"regions\[0\]: .*runs_per_page 5 must divide"),
+        (dict(dtype="int7"), r"regions\[0\]: .*dtype 'int7' is not one of"),
+        (dict(kind="nope"), r"regions\[0\]\.kind: input should be 'target_k'"),
+        (dict(layer=1 << 16), r"regions\[0\]\.layer: .*less than or equal to 65535"),
+        (dict(replicated=1), r"regions\[0\]\.replicated: .*valid boolean"),
+        (dict(head_dim=True), r"regions\[0\]\.head_dim: .*valid integer"),
+        (dict(dtype=None), r"regions\[0\]\.dtype: .*valid string"),
+        (dict(extra=1), r"regions\[0\]\.extra: unknown field"),
+    ],
+)
+def test_decode_refuses_bad_regions(change, match):
+    good = _handshake_body()
+    region = {**good["regions"][0], **change}
+    bad = {**good, "regions": [region], "region_addrs": [], "region_devices": []}
+    with pytest.raises(WireError, match=match):
+        decode(_frame(bad, code=1))
+
+
+def test_decode_refuses_a_region_missing_a_field_and_too_many_regions():
+    good = _handshake_body()
+    short = {k: v for k, v in good["regions"][0].items() if k != "tokens_per_page"}
+    with pytest.raises(WireError, match=r"regions\[0\]\.tokens_per_page: field required"):
+        decode(_frame({**good, "regions": [short], "region_addrs": [], "region_devices": []}, 1))
+    many = good["regions"][:1] * (wire.MAX_REGIONS + 1)
+    with pytest.raises(WireError, match=r"Handshake\.regions: .*at most 8192 items"):
+        decode(_frame({**good, "regions": many, "region_addrs": [], "region_devices": []}, 1))
 
 
 def _random_json(rng: random.Random, depth: int = 0):

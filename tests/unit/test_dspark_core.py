@@ -69,7 +69,10 @@ BAD_CONFIGS = {
     "block-size-0": (dict(block_size=0), r"block_size=0, expected an integer >= 1"),
     "no-block-size": (dict(block_size=None), r"dspark_block_size / block_size=None"),
     "taps-empty": (dict(dspark_target_layer_ids=[]), r"dspark_target_layer_ids=\[\], expected"),
-    "no-taps": (dict(dspark_target_layer_ids=None), r"dspark_target_layer_ids=None"),
+    "no-taps": (
+        dict(dspark_target_layer_ids=None),
+        r"dspark_target_layer_ids / target_layer_ids=None, expected a non-empty list",
+    ),
     "taps-unordered": (dict(dspark_target_layer_ids=[2, 1]), r"strictly increasing"),
     "taps-negative": (dict(dspark_target_layer_ids=[-1, 2]), r"=-1, expected an integer >= 0"),
     "tap-past-target": (dict(dspark_target_layer_ids=[1, 4]), r"num_target_layers=4"),
@@ -81,6 +84,28 @@ BAD_CONFIGS = {
     "kv-heads": (dict(num_key_value_heads=3), r"num_key_value_heads=3, expected a divisor"),
     "rank-str": (dict(markov_rank="8"), r"markov_rank='8', expected an integer"),
     "bool-field": (dict(sample_from_anchor="yes"), r"sample_from_anchor='yes', expected true"),
+    "arch-not-list": (dict(architectures="AtomDSparkDraftModel"), r"architectures='Atom.*list"),
+    "arch-not-str": (dict(architectures=[5]), r"architectures=5, expected a string"),
+    "hidden-bool": (dict(hidden_size=True), r"hidden_size=True, expected an integer"),
+    "head-dim-0": (dict(head_dim=0), r"head_dim=0, expected an integer >= 1"),
+    "layers-0": (dict(num_hidden_layers=0), r"num_hidden_layers=0, expected an integer >= 1"),
+    "vocab-float": (dict(vocab_size=100.0), r"vocab_size=100.0, expected an integer"),
+    "max-pos-0": (dict(max_position_embeddings=0), r"max_position_embeddings=0, expected an"),
+    "tap-width-0": (dict(target_hidden_size=0), r"target_hidden_size=0, expected an integer >= 1"),
+    "no-mask": (
+        dict(mask_token_id=None),
+        r"dspark_noise_token_id / mask_token_id=None, expected an integer \(field is required\)",
+    ),
+    "mask-negative": (dict(mask_token_id=-1), r"mask_token_id=-1, expected an integer >= 0"),
+    "taps-not-list": (dict(dspark_target_layer_ids="0,2"), r"ids='0,2', expected a non-empty list"),
+    "taps-bool": (dict(dspark_target_layer_ids=[0, True]), r"ids=True, expected an integer"),
+    "num-targets-0": (dict(num_target_layers=0), r"num_target_layers=0, expected an integer >= 1"),
+    "head-not-str": (dict(markov_head_type=5), r"markov_head_type=5, expected a string"),
+    "eps-str": (dict(rms_norm_eps="1e-6"), r"rms_norm_eps='1e-6', expected a number"),
+    "nested-bool": (
+        dict(dspark_config={"enable_confidence_head": 1}),
+        r"dspark_config.enable_confidence_head=1, expected true or false",
+    ),
     "disagree": (
         dict(dflash_config={"target_layer_ids": [1, 3]}),
         r"dflash_config.target_layer_ids=\[1, 3\], expected the same value as "
@@ -93,6 +118,33 @@ BAD_CONFIGS = {
 def test_config_refusals_name_the_field(over, msg):
     with pytest.raises(DSparkConfigError, match=msg):
         DSparkDraftConfig.from_hf_dict(_hf(**over))
+
+
+def test_config_refuses_what_is_not_a_dict():
+    with pytest.raises(DSparkConfigError, match="draft config must be a dict, got list"):
+        DSparkDraftConfig.from_hf_dict([_hf()])
+
+
+def test_config_defaults_fill_absent_or_null_fields():
+    cfg = DSparkDraftConfig.from_hf_dict(
+        _hf(rope_theta=None, num_key_value_heads=None, markov_head_type="Vanilla", rms_norm_eps=1)
+    )
+    assert (cfg.rope_theta, cfg.num_key_value_heads, cfg.markov_head_type) == (
+        10000.0,
+        4,
+        "vanilla",
+    )
+    assert cfg.rms_norm_eps == 1.0 and cfg.max_position_embeddings == 32768
+
+
+def test_config_is_checked_when_built_directly():
+    cfg = DSparkDraftConfig.from_hf_dict(_hf())
+    with pytest.raises(ValueError, match="block_size"):
+        dataclasses.replace(cfg, block_size=0)
+    with pytest.raises(ValueError, match="markov_rank=101, expected <= vocab_size"):
+        dataclasses.replace(cfg, markov_rank=101)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        dataclasses.replace(cfg, target_layer_ids=(2, 2))
 
 
 def test_check_target_refuses_mismatches():

@@ -12,19 +12,26 @@ field can sit in four places; the first one present wins, in this order:
 
 Two places that both hold a field must agree, or the config is refused. Model-shape fields
 (hidden size, heads, ...) come from ``text_config`` when there is one, else the top level.
+
+:class:`DSparkDraftConfig` is a strict pydantic dataclass: no bool or float where an integer
+belongs, no string where a number or a flag does, bounds declared on the fields. A refusal is a
+:class:`DSparkConfigError` naming the key the value was read from and what is expected.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import MISSING, asdict, fields
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
 
 # Markov head types real drafters declare; only the vanilla head (W1 embedding, W2 projection)
 # is implemented here.
 KNOWN_MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 SUPPORTED_MARKOV_HEAD_TYPES = ("vanilla",)
 
-# (prefixed key, key inside dspark_config / dflash_config / at the top level)
+# (prefixed key or None, key inside dspark_config / dflash_config / at the top level)
 _DSPARK_KEYS = {
     "block_size": ("dspark_block_size", "block_size"),
     "target_layer_ids": ("dspark_target_layer_ids", "target_layer_ids"),
@@ -32,16 +39,51 @@ _DSPARK_KEYS = {
     "markov_head_type": ("dspark_markov_head_type", "markov_head_type"),
     "mask_token_id": ("dspark_noise_token_id", "mask_token_id"),
     "num_target_layers": (None, "num_target_layers"),
+    "enable_confidence_head": (None, "enable_confidence_head"),
+    "confidence_head_with_markov": (None, "confidence_head_with_markov"),
+    "sample_from_anchor": (None, "sample_from_anchor"),
 }
+# model-shape fields, read from text_config when there is one
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+)
 
 
 class DSparkConfigError(ValueError):
     """A draft config.json field is missing or out of range; the message names it."""
 
 
-@dataclass(frozen=True)
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+def _increasing(ids: tuple[int, ...]) -> tuple[int, ...]:
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise ValueError("strictly increasing layer ids")
+    return ids
+
+
+def _head_type(kind: str) -> str:
+    kind = kind.lower()
+    if kind not in KNOWN_MARKOV_HEAD_TYPES:
+        raise ValueError(f"one of {KNOWN_MARKOV_HEAD_TYPES}")
+    if kind not in SUPPORTED_MARKOV_HEAD_TYPES:
+        raise ValueError(f"one of {SUPPORTED_MARKOV_HEAD_TYPES} (the only head implemented)")
+    return kind
+
+
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class DSparkDraftConfig:
-    """What a DSpark draft checkpoint declares.
+    """What a DSpark draft checkpoint declares; every field is checked when one is built.
 
     ``block_size`` is k, the number of tokens one draft pass proposes; the verify pass reads
     k + 1 tokens (``speculative_num_draft_tokens`` = k + 1). ``target_layer_ids`` are HF-style
@@ -49,26 +91,45 @@ class DSparkDraftConfig:
     """
 
     architecture: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int | None
-    mask_token_id: int
-    markov_rank: int
-    markov_head_type: str = "vanilla"
+    hidden_size: Positive
+    num_hidden_layers: Positive
+    num_attention_heads: Positive
+    num_key_value_heads: Positive
+    head_dim: Positive
+    intermediate_size: Positive
+    vocab_size: Positive
+    block_size: Positive
+    # a JSON list is taken for the tuple (strict=False); its items stay strict
+    target_layer_ids: Annotated[
+        tuple[NonNegative, ...], Field(strict=False, min_length=1), AfterValidator(_increasing)
+    ]
+    num_target_layers: Positive | None
+    mask_token_id: NonNegative
+    markov_rank: Positive
+    markov_head_type: Annotated[str, AfterValidator(_head_type)] = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     sample_from_anchor: bool = True
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    target_hidden_size: int | None = None
+    max_position_embeddings: Positive = 32768
+    target_hidden_size: Positive | None = None
+
+    def __post_init__(self) -> None:
+        """Relations between fields, once pydantic has checked each one."""
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"a divisor of num_attention_heads ({self.num_attention_heads})",
+            )
+        if self.mask_token_id >= self.vocab_size:
+            _fail("mask_token_id", self.mask_token_id, f"in [0, vocab_size={self.vocab_size})")
+        if self.markov_rank > self.vocab_size:
+            _fail("markov_rank", self.markov_rank, f"<= vocab_size ({self.vocab_size})")
+        ids, n = self.target_layer_ids, self.num_target_layers
+        if n is not None and max(ids) >= n:
+            _fail("dspark_target_layer_ids", list(ids), f"ids in [0, num_target_layers={n})")
 
     @property
     def num_taps(self) -> int:
@@ -92,49 +153,20 @@ class DSparkDraftConfig:
         text = d.get("text_config") or d
         if text is not d:  # DSpark fields may sit in either; the top level wins
             d = {**text, **{k: v for k, v in d.items() if k != "text_config"}}
-        hidden = _int(text, "hidden_size", lo=1)
-        heads = _int(text, "num_attention_heads", lo=1)
-        head_dim = _int(text, "head_dim", lo=1, default=hidden // heads)
-        cfg = cls(
-            architecture=_architecture(d),
-            hidden_size=hidden,
-            num_hidden_layers=_int(text, "num_hidden_layers", lo=1),
-            num_attention_heads=heads,
-            num_key_value_heads=_int(text, "num_key_value_heads", lo=1, default=heads),
-            head_dim=head_dim,
-            intermediate_size=_int(text, "intermediate_size", lo=1),
-            vocab_size=_int(text, "vocab_size", lo=1),
-            block_size=_dspark_int(d, "block_size", lo=1),
-            target_layer_ids=_target_layer_ids(d),
-            num_target_layers=_dspark_int(d, "num_target_layers", lo=1, required=False),
-            mask_token_id=_dspark_int(d, "mask_token_id", lo=0),
-            markov_rank=_dspark_int(d, "markov_rank", lo=1),
-            markov_head_type=_markov_head_type(d),
-            enable_confidence_head=_bool(d, "enable_confidence_head", False),
-            confidence_head_with_markov=_bool(d, "confidence_head_with_markov", True),
-            sample_from_anchor=_bool(d, "sample_from_anchor", True),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(text.get("rope_theta", 10000.0)),
-            max_position_embeddings=_int(text, "max_position_embeddings", lo=1, default=32768),
-            target_hidden_size=_int(d, "target_hidden_size", lo=1, default=None),
-        )
-        cfg._check_relations()
-        return cfg
-
-    def _check_relations(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            _fail(
-                "num_key_value_heads",
-                self.num_key_value_heads,
-                f"a divisor of num_attention_heads ({self.num_attention_heads})",
-            )
-        if self.mask_token_id >= self.vocab_size:
-            _fail("mask_token_id", self.mask_token_id, f"in [0, vocab_size={self.vocab_size})")
-        if self.markov_rank > self.vocab_size:
-            _fail("markov_rank", self.markov_rank, f"<= vocab_size ({self.vocab_size})")
-        ids, n = self.target_layer_ids, self.num_target_layers
-        if n is not None and max(ids) >= n:
-            _fail("dspark_target_layer_ids", list(ids), f"ids in [0, num_target_layers={n})")
+        places = {"architecture": "architectures"}  # where each field was read, for errors
+        raw = {"architecture": _architecture(d), "target_hidden_size": d.get("target_hidden_size")}
+        raw |= {k: text.get(k) for k in _SHAPE_KEYS}
+        for field, keys in _DSPARK_KEYS.items():
+            places[field], raw[field] = _dspark_lookup(d, keys)
+        if raw["num_key_value_heads"] is None:
+            raw["num_key_value_heads"] = raw["num_attention_heads"]
+        if raw["head_dim"] is None:
+            raw["head_dim"] = _quotient(raw["hidden_size"], raw["num_attention_heads"])
+        # absent (or null): a field's default, else None, which validation names as required
+        try:
+            return cls(**{k: v for k, v in raw.items() if v is not None or k not in _DEFAULTED})
+        except ValidationError as e:
+            raise _refusal(e.errors()[0], places) from None
 
     def check_target(self, *, num_layers: int, hidden_size: int, vocab_size: int) -> None:
         """Refuse a target this draft cannot tap: tap ids, hidden width and vocab must fit."""
@@ -161,41 +193,57 @@ class DSparkDraftConfig:
         return out
 
 
+_DEFAULTED = frozenset(f.name for f in fields(DSparkDraftConfig) if f.default is not MISSING)
+# how a refusal states what was expected, by pydantic error type
+_EXPECTED = {
+    "int_type": "an integer",
+    "bool_type": "true or false",
+    "float_type": "a number",
+    "string_type": "a string",
+    "tuple_type": "a non-empty list of target layer ids",
+    "too_short": "a non-empty list of target layer ids",
+}
+
+
 def _fail(field: str, got: Any, expected: str) -> None:
     raise DSparkConfigError(f"DSpark draft config: {field}={got!r}, expected {expected}")
 
 
-def _architecture(d: dict) -> str:
+def _refusal(err: dict[str, Any], places: dict[str, str]) -> DSparkConfigError:
+    """The config error for pydantic's first error, naming where the value was read."""
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, DSparkConfigError):  # a relation between fields (__post_init__)
+        return cause
+    field = str(err["loc"][0]) if err["loc"] else "?"
+    if err["type"] == "greater_than_equal":
+        expected = f"an integer >= {err['ctx']['ge']}"
+    else:
+        expected = _EXPECTED.get(err["type"]) or str(cause or err["msg"])
+    got = err["input"]
+    if got is None:
+        expected += " (field is required)"
+    return DSparkConfigError(
+        f"DSpark draft config: {places.get(field, field)}={got!r}, expected {expected}"
+    )
+
+
+def _architecture(d: dict) -> Any:
     archs = d.get("architectures")
-    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+    if not isinstance(archs, list) or not archs:
         _fail("architectures", archs, "a non-empty list naming the draft class")
     return archs[0]
 
 
-def _int(d: dict, key: str, *, lo: int, default: Any = ...) -> Any:
-    if key not in d or d[key] is None:
-        if default is ...:
-            _fail(key, None, f"an integer >= {lo} (field is required)")
-        return default
-    return _check_int(key, d[key], lo)
+def _quotient(hidden: Any, heads: Any) -> Any:
+    """hidden // heads, the default head_dim. Where they are no numbers, None: validation
+    names hidden_size or num_attention_heads first, as they come first."""
+    try:
+        return hidden // heads
+    except (TypeError, ZeroDivisionError):
+        return None
 
 
-def _check_int(key: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(key, value, f"an integer >= {lo}")
-    if value < lo:
-        _fail(key, value, f"an integer >= {lo}")
-    return value
-
-
-def _bool(d: dict, key: str, default: bool) -> bool:
-    value = _dspark_lookup(d, key, (None, key), default)[1]
-    if not isinstance(value, bool):
-        _fail(key, value, "true or false")
-    return value
-
-
-def _dspark_lookup(d: dict, field: str, keys: tuple, default: Any) -> tuple[str, Any]:
+def _dspark_lookup(d: dict, keys: tuple) -> tuple[str, Any]:
     """(where, value) of a DSpark field; refuses two places that disagree."""
     prefixed, plain = keys
     found: list[tuple[str, Any]] = []
@@ -208,7 +256,7 @@ def _dspark_lookup(d: dict, field: str, keys: tuple, default: Any) -> tuple[str,
     if d.get(plain) is not None:
         found.append((plain, d[plain]))
     if not found:
-        return field, default
+        return " / ".join(k for k in keys if k), None
     where, value = found[0]
     for other, v in found[1:]:
         if _norm(v) != _norm(value):
@@ -218,36 +266,3 @@ def _dspark_lookup(d: dict, field: str, keys: tuple, default: Any) -> tuple[str,
 
 def _norm(v: Any) -> Any:
     return list(v) if isinstance(v, (list, tuple)) else v
-
-
-def _dspark_int(d: dict, field: str, *, lo: int, required: bool = True) -> int | None:
-    where, value = _dspark_lookup(d, field, _DSPARK_KEYS[field], None)
-    if value is None:
-        if required:
-            names = " / ".join(k for k in _DSPARK_KEYS[field] if k)
-            _fail(names, None, f"an integer >= {lo} (field is required)")
-        return None
-    return _check_int(where, value, lo)
-
-
-def _target_layer_ids(d: dict) -> tuple[int, ...]:
-    where, ids = _dspark_lookup(d, "target_layer_ids", _DSPARK_KEYS["target_layer_ids"], None)
-    if ids is None:
-        _fail("dspark_target_layer_ids", None, "a non-empty list of target layer ids")
-    if not isinstance(ids, (list, tuple)) or not ids:
-        _fail(where, ids, "a non-empty list of target layer ids")
-    for i in ids:
-        _check_int(where, i, 0)
-    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
-        _fail(where, list(ids), "strictly increasing layer ids")
-    return tuple(ids)
-
-
-def _markov_head_type(d: dict) -> str:
-    where, kind = _dspark_lookup(d, "markov_head_type", _DSPARK_KEYS["markov_head_type"], None)
-    kind = "vanilla" if kind is None else str(kind).lower()
-    if kind not in KNOWN_MARKOV_HEAD_TYPES:
-        _fail(where, kind, f"one of {KNOWN_MARKOV_HEAD_TYPES}")
-    if kind not in SUPPORTED_MARKOV_HEAD_TYPES:
-        _fail(where, kind, f"one of {SUPPORTED_MARKOV_HEAD_TYPES} (the only head implemented)")
-    return kind
