@@ -15,7 +15,7 @@ demo: setup
 	@$(PY) -m sgl_atom.demo
 
 test: setup
-	@$(PY) -m pytest tests/unit tests/e2e -q -rs $(PYTEST_ARGS)
+	@$(PY) -m pytest tests/unit tests/e2e -q -rs --durations=30 $(PYTEST_ARGS)
 
 test-unit: setup
 	@$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)

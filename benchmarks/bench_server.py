@@ -345,9 +345,11 @@ def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> li
     return rows
 
 
-def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu):
+def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu,
+               save=lambda rows: None):  # fmt: skip
     """The plain atom bf16 decode of ``model``, then ATOM_DSPARK with a random draft of real
-    shape per (block k, forced N) and draft KV dtype, each server after the other."""
+    shape per (block k, forced N) and draft KV dtype, each server after the other; ``save``
+    gets the rows so far after each server."""
     path = write_model(model, root)
     drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
     env = CPU_ENV if cpu else {}
@@ -364,6 +366,7 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
             )
             _print(plain[-1], "atom-bf16 plain")
     rows = list(plain)
+    save(rows)
     for (k, n), kv in itertools.product(blocks, draft_kvs):
         name = f"{model}_dspark-k{k}-n{n}-{kv}"
         spec = dspark.spec_server_args(drafts[k], kv, n)
@@ -372,6 +375,7 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
             for p in plain:
                 rows.append(run_spec_workload(srv, p, k, n, kv))
                 _print(rows[-1], name.partition("_")[2])
+        save(rows)
     return rows
 
 
@@ -516,7 +520,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_suite(args, gbps: float, run_id: str) -> list[Row]:
+def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Row]:
+    """Every server of the suite, one after another; ``save`` gets all rows so far after each
+    (a call cut short keeps what it measured)."""
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
     blocks = dspark.parse_blocks(args.spec_blocks)
     rows: list[Row] = []
@@ -525,15 +531,17 @@ def run_suite(args, gbps: float, run_id: str) -> list[Row]:
         for model in args.models.split(","):
             if args.spec:
                 kvs = args.draft_kv.split(",")
+                done = list(rows)
                 rows += bench_spec(
                     model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
-                    args.cpu_smoke,
+                    args.cpu_smoke, lambda new, done=done: save(done + new),
                 )  # fmt: skip
                 continue
             for name in args.backends.split(","):
                 rows += bench_server(
                     model, name, workloads, args.output, gbps, run_id, root, args.logs
                 )
+                save(rows)
     return rows
 
 
@@ -563,7 +571,6 @@ def main(argv: list[str] | None = None) -> None:
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     gbps = cpu_copy_gbps() if args.cpu_smoke else measure_copy_gbps()
     print(f"[bench_server] copy rate {gbps:.0f} GB/s, run {run_id}", flush=True)
-    rows = run_suite(args, gbps, run_id)
     import torch
 
     header = {
@@ -572,6 +579,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python benchmarks/bench_server.py " + " ".join(argv or sys.argv[1:]),
         "copy_gbps": round(gbps, 1),
     }
+    rows = run_suite(args, gbps, run_id, lambda rows: write_results(Path(args.out), header, rows))
     print(write_results(Path(args.out), header, rows))
 
 

@@ -25,6 +25,18 @@ case "$what" in
   *) source "${GPU_BUNDLE:-.gpu}/device-env.sh" || exit $? ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# At most 8 files come back from a device call: past that, everything is packed into
+# $OUT/all.tar.gz (the mode's main logs stay beside it, readable at once).
+pack_out() {
+  local n; n=$(find "$OUT" -type f | wc -l)
+  [ "$n" -le 8 ] && return
+  tar czf /tmp/all.tar.gz -C "$OUT" . && mv /tmp/all.tar.gz "$OUT/all.tar.gz"
+  find "$OUT" -type f ! -name all.tar.gz ! -name 'gpu_*tests.log' ! -name 'bench_server*.log' \
+    ! -name 'tune_decode.log' ! -name 'decode_tuning.json' -delete
+  find "$OUT" -mindepth 1 -type d -empty -delete
+}
+[ "${GPU_CALL_NESTED:-}" ] || trap pack_out EXIT
+export GPU_CALL_NESTED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 kernel_tests() {
   python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log"
@@ -47,13 +59,15 @@ case "$what" in
   ncu-decode)
     for kv in bf16 fp8; do
       ncu --clock-control none --kernel-name regex:decode_fwd_kernel --launch-skip 2 \
-        --launch-count 1 --set full --import-source yes -f -o "$OUT/decode_$kv" \
+        --launch-count 1 --set full --import-source yes -f -o "/tmp/decode_$kv" \
         python3 benchmarks/profile_decode.py --kv $kv "$@" >> "$OUT/ncu_decode.log" 2>&1
-      ncu --import "$OUT/decode_$kv.ncu-rep" --page details > "$OUT/decode_${kv}_details.txt" 2>&1
-      ncu --import "$OUT/decode_$kv.ncu-rep" --page source --print-source sass --csv \
-        > "$OUT/decode_${kv}_sass.csv" 2>&1
+      ncu --import "/tmp/decode_$kv.ncu-rep" --page details > "$OUT/decode_${kv}_details.txt" 2>&1
+      ncu --import "/tmp/decode_$kv.ncu-rep" --page source --print-source sass --csv \
+        > "/tmp/decode_${kv}_sass.csv" 2>&1
     done
-    tail -n 40 "$OUT"/decode_*_details.txt ;;
+    python3 benchmarks/profile_decode.py --summarize /tmp/decode_bf16_sass.csv \
+      /tmp/decode_fp8_sass.csv > "$OUT/ncu_decode_summary.txt" 2>&1
+    tail -n 40 "$OUT"/ncu_decode_summary.txt ;;
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;

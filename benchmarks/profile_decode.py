@@ -15,6 +15,8 @@ The launch is the atom backend's: the decode tuning it would load on this device
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import os
 import sys
 
@@ -30,13 +32,48 @@ pa = import_kernels("paged_attention")
 GRAPH_CONTEXT = 32768
 
 
+def opcode_table(path: str, top: int = 14) -> str:
+    """Per SASS opcode of one `ncu --page source --print-source sass --csv` export: its share
+    of the warp-stall samples and of the executed instructions, most stalled first."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f)]
+    head = next(r for r in rows if "Source" in r and "Instructions Executed" in r)
+    src, stall = head.index("Source"), head.index("Warp Stall Sampling (All Samples)")
+    done = head.index("Instructions Executed")
+    execs, stalls = collections.Counter(), collections.Counter()
+    for r in rows[rows.index(head) + 1 :]:
+        words = r[src].split() if len(r) > done else []
+        words = words[1:] if words and words[0].startswith("@") else words  # predicate
+        if not words:
+            continue
+        op = words[0].split(".")[0]
+        try:
+            execs[op] += int(r[done].replace(",", ""))
+            stalls[op] += int(r[stall].replace(",", ""))
+        except ValueError:
+            continue
+    n_exec, n_stall = sum(execs.values()), max(sum(stalls.values()), 1)
+    lines = [f"{path}: {n_exec:,} warp instructions executed, {n_stall:,} stall samples"]
+    lines += ["| opcode | stall samples | instructions |", "|---|---|---|"]
+    for op, n in stalls.most_common(top):
+        lines.append(f"| {op} | {n / n_stall:.1%} | {execs[op] / max(n_exec, 1):.1%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kv", choices=("bf16", "fp8"), required=True)
+    ap.add_argument("--summarize", nargs="+", metavar="SASS_CSV",
+                    help="print the opcode table of these ncu SASS exports and exit")  # fmt: skip
+    ap.add_argument("--kv", choices=("bf16", "fp8"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args()
+    if args.summarize:
+        print("\n\n".join(opcode_table(p) for p in args.summarize))
+        return
+    if not args.kv:
+        ap.error("--kv is required (or --summarize)")
     k, v, ks, vs, table, lens = paged(args.batch, args.ctx, 16, args.kv == "fp8", kv_heads=8)
     q = torch.randn(args.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
