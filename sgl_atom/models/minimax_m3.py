@@ -15,7 +15,11 @@ sigmoid routing on a CPU without AMX calls ``topk_sigmoid``, which SGLang 0.5.23
 CUDA/HIP/XPU/MUSA only (layers/moe/topk.py). The routing is the reference's: sigmoid (or
 softmax) scores in float32, experts chosen by score + ``e_score_correction_bias``, weighted by
 the unbiased score renormalised to 1, times ``routed_scaling_factor``; the shared expert is
-added.
+added. The routed experts run with ``inplace=False``: FusedMoE's default (``inplace=True``) lets
+the CUDA Triton runner write the routed output over its input (SGLang 0.5.23
+layers/moe/moe_runner/triton_utils/fused_moe.py:619), which the shared expert then read in
+place of the normed hidden states; the CPU paths never write in place, so only the GPU was off
+(tiny m3 on an H200: max |dlogp| 0.40 against the float64 reference).
 
 Layer taps (DSpark/DFlash drafts): :meth:`MiniMaxM3SparseForCausalLM.set_dflash_layers_to_capture`
 arms them as SGLang's Llama does (models/llama.py): the output of HF layer ``i`` is the residual
@@ -175,6 +179,7 @@ class M3MoE(nn.Module):
             prefix=add_prefix("experts", prefix),
             activation="silu",
             gate_up_interleaved=False,
+            inplace=False,  # the shared expert reads x after the routed experts
         )
         shared = getattr(config, "n_shared_experts", 0) or 0
         self.shared_experts = (
