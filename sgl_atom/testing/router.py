@@ -6,10 +6,9 @@ Started in its own process group and stopped by PID (the whole group), like
 
 from __future__ import annotations
 
-import json
 import sys
-import urllib.error
-import urllib.request
+
+import requests
 
 from .server import ManagedProcess, free_port
 
@@ -47,9 +46,8 @@ class Router(ManagedProcess):
         if not super()._healthy():
             return False
         try:
-            with urllib.request.urlopen(self.url + "/workers", timeout=self.health_timeout) as r:
-                stats = json.loads(r.read()).get("stats", {})
-        except (urllib.error.URLError, OSError, TimeoutError, ValueError):
+            stats = self.get("/workers", timeout=self.health_timeout).json().get("stats", {})
+        except (requests.RequestException, ValueError):
             return False
         return all(stats.get(k) == n for k, n in self.expected.items())
 

@@ -7,17 +7,16 @@ by PID (the whole group), also when a test fails. A server that exits during sta
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import requests
 
 from .. import envs
 from ..launch_server import server_command
@@ -81,10 +80,8 @@ class ManagedProcess:
 
     def _healthy(self) -> bool:
         try:
-            url = self.url + self.health_path
-            with urllib.request.urlopen(url, timeout=self.health_timeout) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, TimeoutError):
+            return self.get(self.health_path, timeout=self.health_timeout).status_code == 200
+        except requests.RequestException:
             return False
 
     def log_tail(self, lines: int = 40) -> str:
@@ -97,14 +94,16 @@ class ManagedProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def get(self, path: str, timeout: float = 30) -> requests.Response:
+        """GET ``path``; the response whatever its status."""
+        return requests.get(self.url + path, timeout=timeout)
+
     def post(self, path: str, payload: dict, timeout: float = 900) -> dict:
-        req = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+        """POST ``payload`` as JSON; the decoded JSON answer, or ``requests.HTTPError`` (its
+        ``response`` holds the status and body) for a status of 400 or more."""
+        r = requests.post(self.url + path, json=payload, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -16,12 +16,12 @@ import os
 import signal
 import threading
 import time
-import urllib.error
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+import requests
 from e2e_utils import word_prompts
 from test_disagg_serving import DECODE_ARGS, PD_ENV, prefill_args
 
@@ -88,14 +88,14 @@ def pair(servers: ServerPool, tiny_llama) -> Pair:
 
 def _error_text(e: Exception) -> str:
     """``HTTP 502 decode_server_error: <message>`` for the router's JSON errors, else the text."""
-    if not isinstance(e, urllib.error.HTTPError):
+    if not isinstance(e, requests.HTTPError):
         return str(e)
-    body = e.read().decode(errors="replace")
+    body, code = e.response.text, e.response.status_code
     try:
         err = json.loads(body)["error"]
-        return f"HTTP {e.code} {err.get('code')}: {err.get('message')}"
+        return f"HTTP {code} {err.get('code')}: {err.get('message')}"
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {e.code}: {body}"
+        return f"HTTP {code}: {body}"
 
 
 def _via_router(pair: Pair, i: int, timeout: float = 120) -> tuple[str, object, float]:

@@ -25,11 +25,11 @@ import re
 import signal
 import threading
 import time
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+import requests
 from e2e_utils import listening_sockets, word_prompts
 
 from sgl_atom import envs
@@ -209,7 +209,7 @@ def _check_pair(label: str, got: list[dict], expected: list[dict], seconds: floa
 
 
 def _error_text(e: Exception) -> str:
-    body = e.read().decode(errors="replace") if isinstance(e, urllib.error.HTTPError) else ""
+    body = e.response.text if isinstance(e, requests.HTTPError) else ""
     return f"{e} {body}"
 
 

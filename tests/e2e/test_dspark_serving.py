@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import pytest
+import requests
 from e2e_utils import word_prompts
 
 from sgl_atom.cpu_mode import cache_dir
@@ -115,13 +115,12 @@ def spec_run(request, spec_runs):
 
 
 def _flush_cache(srv) -> None:
-    with urllib.request.urlopen(srv.url + "/flush_cache", data=b"", timeout=60) as r:
-        assert r.status == 200, "the radix cache was flushed between the two runs"
+    r = requests.post(srv.url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, "the radix cache was flushed between the two runs"
 
 
 def _metrics(srv) -> str:
-    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-        return r.read().decode()
+    return srv.get("/metrics").text
 
 
 def _tpf(tpf: list[float]) -> float:

@@ -1,0 +1,76 @@
+"""The e2e tests' process manager (`sgl_atom.testing.server.ManagedProcess`) against a small
+HTTP server in a child process: health wait, JSON round trip, HTTP errors with their status and
+body, start-up failure with the log's tail, and stop by process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import requests
+
+from sgl_atom.testing.server import ManagedProcess, ServerStartError, free_port
+
+CHILD = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def _send(self, code, body):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404, "ok")
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/echo":
+            self._send(200, json.dumps({"got": payload, "pid": __import__("os").getpid()}))
+        else:
+            self._send(400, json.dumps({"error": f"bad field {payload.get('field')!r}"}))
+
+    def log_message(self, *a):
+        pass
+
+print("child listening", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def child():
+    port = free_port()
+    proc = ManagedProcess([sys.executable, "-c", CHILD, str(port)], None, port, "child")
+    yield proc
+    proc.stop()
+
+
+def test_start_post_error_and_stop(child):
+    child.start(timeout=30)
+    payload = {"ids": [3, 1, 4], "text": "é"}
+    out = child.post("/echo", payload)
+    assert out["got"] == payload
+    with pytest.raises(requests.HTTPError) as err:
+        child.post("/refuse", {"field": "top_k"})
+    assert err.value.response.status_code == 400
+    assert "bad field 'top_k'" in err.value.response.text
+    assert child.get("/nowhere").status_code == 404
+    assert "child listening" in child.log_text()
+    child.stop()
+    assert child.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(out["pid"], 0)  # the server itself, not only the process we started
+
+
+def test_exit_during_start_up_raises_with_the_log_tail():
+    port = free_port()
+    cmd = [sys.executable, "-c", "print('cannot serve: no model'); raise SystemExit(3)"]
+    proc = ManagedProcess(cmd, None, port, "broken")
+    with pytest.raises(ServerStartError, match="exited with code 3") as err:
+        proc.start(timeout=30)
+    assert "cannot serve: no model" in str(err.value)
