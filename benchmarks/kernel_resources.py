@@ -31,27 +31,33 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 decode = import_kernels("paged_attention.decode")
+KV_MODES = import_kernels("paged_attention.common").KV_MODES
 KERNEL = decode.decode_fwd_kernel
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 STRIDES = ["stride_qt", "stride_qh", "stride_kt", "stride_vt", "stride_st", "stride_pt"]
 STRIDES += ["stride_opt", "stride_oph", "stride_ops", "stride_lt", "stride_lh"]
-VARIANTS = [  # (kv, block_n, num_warps, num_stages)
-    ("bf16", 64, 4, 4),
-    ("bf16", 64, 4, 6),
-    ("fp8", 128, 4, 3),
-    ("fp8", 128, 4, 5),
-    ("fp8", 64, 4, 6),
-    ("fp8", 128, 8, 5),
+VARIANTS = [  # (kv, block_n, num_warps, num_stages, fp8 kv_mode)
+    ("bf16", 64, 4, 4, "-"),
+    ("fp8", 128, 4, 3, "bits"),
+    ("fp8", 128, 4, 3, "f16"),
+    ("fp8", 128, 4, 3, "bf16"),
+    ("fp8", 64, 4, 4, "bits"),
+    ("fp8", 64, 4, 4, "f16"),
+    ("fp8", 128, 4, 5, "bits"),
 ]
 
 
-def compile_decode(kv: str, block_n: int, warps: int, stages: int, maxnreg: int | None):
+def compile_decode(
+    kv: str, block_n: int, warps: int, stages: int, maxnreg: int | None, mode: str = "bits"
+):
     fp8 = kv == "fp8"
     kv_t = "*fp8e4nv" if fp8 else "*bf16"
     sig = {"Q": "*bf16", "K": kv_t, "V": kv_t, "KS": "*fp32", "VS": "*fp32", "PT": "*i32"}
     sig |= {"SL": "*i32", "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "num_splits": "i32"}
     sig |= {name: "i32" for name in STRIDES}
     const = dict(GROUP=4, NUM_Q=1, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, HEAD_DIM=128)
-    const |= dict(FP8=fp8, KV_MODE=3 if fp8 else 0, DOT_F32=False, CAUSAL=True)
+    kv_mode = KV_MODES[mode] if fp8 else 0
+    const |= dict(FP8=fp8, KV_MODE=kv_mode, DOT_F32=False, CAUSAL=True)
     sig |= {name: "constexpr" for name in const}
     where = {(KERNEL.arg_names.index(k),): v for k, v in const.items()}
     options = {"num_warps": warps, "num_stages": stages}
@@ -75,9 +81,21 @@ def kv_buffers(ttgir: str, block_n: int) -> int:
     return max(map(int, found), default=0)
 
 
+def sass_instructions(cubin: bytes) -> int:
+    """Instructions in the kernel's SASS (cuobjdump), both loops and the prologue: a static
+    proxy for the issue-bound fp8 kernel's work per key at equal block_n."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        cmd = [os.path.join(BIN, "cuobjdump"), "-sass", path]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", out, flags=re.M))
+
+
 def ptxas_report(ptx: str) -> tuple[int, int]:
     """(registers per thread, spill store bytes) from ptxas -v on the kernel's PTX."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = os.path.join(BIN, "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
@@ -95,14 +113,16 @@ def main() -> None:
     args = ap.parse_args()
     caps = [None] + [int(c) for c in args.maxnreg.split(",") if c]
     rows = []
-    for (kv, bn, warps, stages), cap in ((v, c) for v in VARIANTS for c in caps):
-        k = compile_decode(kv, bn, warps, stages, cap)
+    for (kv, bn, warps, stages, mode), cap in ((v, c) for v in VARIANTS for c in caps):
+        k = compile_decode(kv, bn, warps, stages, cap, mode)
         regs, spill = ptxas_report(k.asm["ptx"])
         by_regs = min(64, 65536 // (regs * 32)) // warps
         programs = min(by_regs, SMEM_PER_SM // max(k.metadata.shared, 1))
-        rows.append([kv, f"bn{bn} w{warps} s{stages}", cap or "-", regs, spill,
-                     k.metadata.shared, programs, kv_buffers(k.asm["ttgir"], bn)])  # fmt: skip
-    head = ["kv", "tiling", "maxnreg", "regs", "spill B", "smem B", "programs/SM", "K/V ahead"]
+        rows.append([kv, f"bn{bn} w{warps} s{stages}", mode, cap or "-", regs, spill,
+                     k.metadata.shared, programs, kv_buffers(k.asm["ttgir"], bn),
+                     sass_instructions(k.asm["cubin"])])  # fmt: skip
+    head = ["kv", "tiling", "kv_mode", "maxnreg", "regs", "spill B", "smem B", "programs/SM"]
+    head += ["K/V ahead", "SASS instr"]
     print(f"paged decode on sm_90 (Triton {triton.__version__}), 32 q / 8 KV heads, d128, page 16")
     print(format_table(head, rows))
 

@@ -44,23 +44,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def variants(fp8: bool, quick: bool) -> list[dict]:
     """The default first, then tiling x split waves.
 
-    A tiling is (block_n, warps, stages, register cap). With an indirect (page-table) load in
-    the loop, Triton's pipeliner gives K/V one buffer, a single tile ahead, up to 4 stages, and
-    two buffers from 5 (benchmarks/kernel_resources.py); the cap trades registers for programs
-    per SM (fp8 needs ~170 registers uncapped: 3 programs of 4 warps)."""
+    A tiling is (block_n, warps, stages, register cap, fp8 kv_mode). Nsight Compute on the
+    H200 (benchmarks/results/ncu_decode_summary.txt) found the fp8 kernel issue-bound at 204
+    registers (2 blocks of 4 warps per SM), 40% of its instructions the "bits" conversion: so
+    the fp8 tilings pair register caps (more blocks per SM) with the "f16" mode (the hardware's
+    e4m3x2 -> f16x2 conversion, fewer instructions). Deeper pipelines (5+ stages, two K/V tiles
+    in flight) were slower (tune_decode_stages_regs.log) and are left out."""
     default = DEFAULTS["fp8" if fp8 else "bf16"]
     if fp8:
-        tiles = [(128, 4, 3, None), (128, 4, 5, None), (64, 4, 6, None), (64, 4, 6, 128),
-                 (64, 4, 8, 128), (128, 4, 5, 128), (128, 8, 5, None), (64, 4, 4, 128)]  # fmt: skip
+        tiles = [(128, 4, 3, reg, mode) for mode in ("bits", "f16") for reg in (None, 168, 128)]
+        tiles += [(64, 4, 4, reg, mode) for mode in ("bits", "f16") for reg in (None, 128)]
     else:
-        tiles = [(64, 4, 4, None), (64, 4, 6, None), (128, 4, 3, None), (128, 8, 5, None)]
+        tiles = [(64, 4, 4, None, None), (64, 4, 4, 96, None), (128, 4, 3, None, None)]
     if quick:
         tiles = tiles[:3]
     out = [dict(default)]
-    for (bn, w, s, reg), waves in itertools.product(tiles, (2.0, 4.0)):
+    for (bn, w, s, reg, mode), waves in itertools.product(tiles, (2.0, 4.0)):
         cfg = dict(block_n=bn, num_warps=w, num_stages=s, waves=waves)
         if reg:
             cfg["maxnreg"] = reg
+        if mode and mode != "bits":  # "bits" is the launcher's default for a bf16 model
+            cfg["kv_mode"] = mode
         if cfg != default:
             out.append(cfg)
     return out
@@ -68,7 +72,9 @@ def variants(fp8: bool, quick: bool) -> list[dict]:
 
 def name(cfg: dict) -> str:
     reg = f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
-    return "bn{block_n} w{num_warps} s{num_stages}".format(**cfg) + reg + f" waves{cfg['waves']:g}"
+    mode = f" {cfg['kv_mode']}" if cfg.get("kv_mode") else ""
+    tiling = "bn{block_n} w{num_warps} s{num_stages}".format(**cfg)
+    return tiling + reg + mode + f" waves{cfg['waves']:g}"
 
 
 def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list, speed: dict):

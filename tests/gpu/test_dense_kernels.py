@@ -180,22 +180,22 @@ TUNED_TOL = 1e-2  # bf16 dot operands (q, p) on the GPU; half the older kernels'
 
 
 TILINGS = {  # what benchmarks/tune_decode.py sweeps (and a tuning file may pick): block_n,
-    # warps, stages (5+ buffers two K/V tiles ahead), register cap
-    "bf16": [(64, 4, 4, None), (64, 4, 6, None), (128, 4, 3, None), (128, 8, 5, None)],
-    "fp8": [(128, 4, 3, None), (128, 4, 5, None), (64, 4, 6, None), (64, 4, 6, 128),
-            (64, 4, 8, 128), (128, 4, 5, 128), (128, 8, 5, None), (64, 4, 4, 128)],
-}  # fmt: skip
+    # warps, stages, register cap, fp8 kv_mode (None: the launcher's, "bits" for a bf16 q)
+    "bf16": [(64, 4, 4, None, None), (64, 4, 4, 96, None), (128, 4, 3, None, None)],
+    "fp8": [(128, 4, 3, reg, mode) for mode in (None, "f16") for reg in (None, 168, 128)]
+    + [(64, 4, 4, reg, mode) for mode in (None, "f16") for reg in (None, 128)],
+}
 
 
 @pytest.mark.parametrize(
     "kv,tiling",
     [(kv, t) for kv, ts in TILINGS.items() for t in ts],
-    ids=lambda v: v if isinstance(v, str) else "bn{} w{} s{} r{}".format(*v),
+    ids=lambda v: v if isinstance(v, str) else "bn{} w{} s{} r{} {}".format(*v),
 )
 def test_decode_tunings(kv, tiling, report):
     """Every tiling the decode tuning sweep may pick, at the server's shape (32 q / 8 KV heads,
     page 16), split 1..8 ways, against float64."""
-    block_n, warps, stages, maxnreg = tiling
+    block_n, warps, stages, maxnreg, kv_mode = tiling
     dtype = FP8 if kv == "fp8" else torch.bfloat16
     lens = [4096, 1, 16384, 4095, 129, 2049, 7, 30000]
     kc, vc, ks, vs, table, sl = paged_kv(lens, 8, 128, 16, dtype, DEV, seed=block_n + stages)
@@ -205,8 +205,9 @@ def test_decode_tunings(kv, tiling, report):
         out = pa.decode_fwd(
             q, kc, vc, table, sl, 16, 128**-0.5, out=poisoned(q.shape, q.dtype, DEV),
             k_scale=ks, v_scale=vs, num_splits=splits, block_n=block_n, num_warps=warps,
-            num_stages=stages, maxnreg=maxnreg,
+            num_stages=stages, maxnreg=maxnreg, kv_mode=kv_mode,
         )  # fmt: skip
         assert_close_rel(out, ref, TUNED_TOL, f"splits {splits}")
     err = rel_err(out, ref)
-    report(f"GPU decode {kv} bn{block_n} w{warps} s{stages} r{maxnreg}: rel err {err:.1e}")
+    tiling = f"bn{block_n} w{warps} s{stages} r{maxnreg} {kv_mode}"
+    report(f"GPU decode {kv} {tiling}: rel err {err:.1e}")
