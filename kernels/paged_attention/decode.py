@@ -29,7 +29,9 @@ MAX_SPLITS = 128
 MIN_SPLIT_TOKENS = 256  # below this a split costs more in launch and merge than it saves
 
 
-@triton.jit
+# num_splits is not specialized (Triton would compile separate variants for 1 and for multiples
+# of 16): a launcher outside CUDA graphs (the DSpark draft) must not compile while serving
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_fwd_kernel(
     Q,
     K,
@@ -170,7 +172,7 @@ def decode_fwd_kernel(
     tl.store(LSE + qrow * stride_lt + head * stride_lh + split, lse, mask=w_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_reduce_kernel(
     OP,
     LSE,

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sgl_atom.kernels.common import num_sms
+from sgl_atom.kernels.paged_attention import decode_num_splits
 from sgl_atom.speculative.dspark import reference as ref
 from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 from sgl_atom.speculative.dspark.markov import markov_refine
@@ -144,6 +146,7 @@ class AtomDSparkDraftModel(nn.Module):
             torch.empty_like(qa),
             ks,
             vs,
+            num_splits=blk.num_splits,
         ).to(q.dtype)
         x = x + attn.reshape(x.shape[0], -1) @ self.w[p + "self_attn.o_proj.weight"].T
         h = self._norm(x, p + "post_attention_layernorm.weight")
@@ -183,6 +186,10 @@ class AtomDSparkDraftModel(nn.Module):
         positions = (lens.long()[:, None] + torch.arange(q, device=lens.device)).reshape(-1)
         if max_context is None:
             max_context = int(lens.max()) if batch else 0
+        # one split plan per batch size, from the pool's capacity rather than this step's
+        # lengths: the block attention's kernels see the same split count at every step, so
+        # none is compiled again while serving (the verify of a target runs in CUDA graphs)
+        splits = decode_num_splits(batch, cfg.num_key_value_heads, pool.slots, num_sms(lens.device))
         blk = _Block(
             positions=positions,
             max_pos=max_context + q - 1,
@@ -191,6 +198,7 @@ class AtomDSparkDraftModel(nn.Module):
             page_table=page_table,
             kv_lens=(lens + q).to(torch.int32),
             ops=kernel_ops(anchors.device),
+            num_splits=splits,
         )
         x = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype)
         for i in range(cfg.num_hidden_layers):
@@ -218,6 +226,7 @@ class _Block:
     page_table: torch.Tensor  # [batch, >= n + k] int32, page size 1
     kv_lens: torch.Tensor  # [batch] int32 n + k
     ops: Any  # sgl_atom.attention.kernel_ops.KernelOps
+    num_splits: int  # the block attention's context splits (fixed per batch size)
 
 
 def _rope_tables(cfg: DSparkDraftConfig, device, dtype: torch.dtype, n: int):
