@@ -7,6 +7,7 @@ by PID (the whole group), also when a test fails. A server that exits during sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -112,7 +113,13 @@ class ManagedProcess:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            # SGLang's own: SIGKILL to every descendant, reaped before it returns; then the
+            # group, for any process that left the tree
+            from sglang.srt.utils import kill_process_tree
+
+            kill_process_tree(self.proc.pid, wait_timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
         except ProcessLookupError:
             pass

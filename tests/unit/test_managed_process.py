@@ -4,7 +4,6 @@ body, start-up failure with the log's tail, and stop by process group."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -63,8 +62,7 @@ def test_start_post_error_and_stop(child):
     assert "child listening" in child.log_text()
     child.stop()
     assert child.proc.poll() is not None
-    with pytest.raises(ProcessLookupError):
-        os.kill(out["pid"], 0)  # the server itself, not only the process we started
+    assert _gone(out["pid"])  # the server itself, not only the process we started
 
 
 def test_exit_during_start_up_raises_with_the_log_tail():
@@ -74,3 +72,45 @@ def test_exit_during_start_up_raises_with_the_log_tail():
     with pytest.raises(ServerStartError, match="exited with code 3") as err:
         proc.start(timeout=30)
     assert "cannot serve: no model" in str(err.value)
+
+
+def test_a_server_that_ignores_sigterm_is_killed_with_its_children(monkeypatch):
+    """Past the SIGTERM grace the whole tree goes (SGLang's kill_process_tree), children too."""
+    import subprocess
+
+    monkeypatch.setattr(subprocess.Popen, "wait", _short_first_wait(subprocess.Popen.wait))
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "c = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        "print('child', c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    port = free_port()
+    proc = ManagedProcess([sys.executable, "-c", code], None, port, "stubborn")
+    proc.health_path = "/never"
+    with pytest.raises(ServerStartError):
+        proc.start(timeout=3)  # never healthy: start() stops it on the way out
+    assert proc.proc.poll() is not None
+    child = int(proc.log_text().split("child ")[1].split()[0])
+    assert _gone(child)
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie waiting for a reaper (its parent was killed)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _short_first_wait(wait):
+    """Popen.wait with the 20 s SIGTERM grace cut to 1 s (the test's patience)."""
+
+    def short(self, timeout=None):
+        return wait(self, timeout=min(timeout, 1.0) if timeout == 20 else timeout)
+
+    return short
