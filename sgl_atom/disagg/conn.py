@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -511,8 +512,14 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             handles = self._post_kv(peer, src_pages, dst_pages)
             if chunk.is_last_chunk and self.is_last_stage and chunk.prefill_aux_index is not None:
                 handles += self._post_aux(peer, int(chunk.prefill_aux_index), req.aux_index)
+            abandon = partial(self._room_failed, chunk.room)
             for h in handles:
-                self.engine.wait(h, timeout_s=timeout)
+                self.engine.wait(h, timeout_s=timeout, abandon=abandon)
+
+    def _room_failed(self, room: int) -> str | None:
+        """Why a write for ``room`` is no longer worth waiting for: the room failed (its
+        decode stopped answering heartbeats, or either side aborted it)."""
+        return "the room failed" if self.check_status(room) == KVPoll.Failed else None
 
     def _post_kv(self, peer: _Peer, src: list[int], dst: tuple[int, ...]) -> list[Any]:
         if not src:

@@ -23,7 +23,7 @@ default, which is what a CPU peer's pool is).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,14 +252,28 @@ class NixlEngine:
             raise TransferError(self._describe(handle, "was refused at post (state ERR)"))
         return handle
 
-    def wait(self, handle: WriteHandle, timeout_s: float = 30.0) -> None:
-        """Poll `handle` until DONE; raise TransferError on ERR or after timeout_s seconds."""
+    def wait(
+        self,
+        handle: WriteHandle,
+        timeout_s: float = 30.0,
+        abandon: Callable[[], str | None] | None = None,
+    ) -> None:
+        """Poll `handle` until DONE; raise TransferError on ERR, after timeout_s seconds, or as
+        soon as ``abandon()`` (asked every ~10 ms) names a reason to stop waiting."""
         deadline = time.monotonic() + timeout_s
+        next_ask = time.monotonic() + 0.01
         delay = 1e-5
         while handle.state == "PROC":
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self._release(handle)
                 raise TransferError(self._describe(handle, f"still PROC after {timeout_s} s"))
+            if abandon is not None and now >= next_ask:
+                next_ask = now + 0.01
+                why = abandon()
+                if why:
+                    self._release(handle)
+                    raise TransferError(self._describe(handle, f"abandoned while PROC: {why}"))
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
             handle.state = self._agent.check_xfer_state(handle.xfer)

@@ -302,12 +302,15 @@ class SessionHeartbeat:
     def _sweep_orphans(self, now: float) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
+        # a room is held for its decode from the bootstrap until its KV is written: the decode
+        # lists it in every heartbeat until then (a write to a dead decode is abandoned)
+        held = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
         statuses = dict(self.request_status)
-        waiting = {room for room, st in statuses.items() if st == KVPoll.Bootstrapping}
+        waiting = {room for room, st in statuses.items() if st in held}
         for room, why in sorted(self.room_claims.orphans(waiting, now).items()):
             reason = (
                 f"atom P/D: prefill rank tp {self.attn_tp_rank}/{self.attn_tp_size} failed room "
-                f"{room} while it waited for its decode: {why} (SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS)"
+                f"{room} held for its decode: {why} (SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS)"
             )
             logger.error("%s", reason)
             self.record_failure(room, reason)

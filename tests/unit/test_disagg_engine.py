@@ -160,3 +160,49 @@ def test_add_peer_refuses_metadata_of_another_agent():
     finally:
         producer.close()
         other.close()
+
+
+class _StuckWrite:
+    """A posted WRITE that never leaves PROC (a peer that died mid-transfer); counts releases."""
+
+    released = 0
+
+    def release(self):
+        _StuckWrite.released += 1
+
+
+def _stuck_engine(polls: list):
+    from types import SimpleNamespace
+
+    from sgl_atom.disagg.engine import WriteHandle
+
+    engine = object.__new__(NixlEngine)  # no agent: only wait()'s polling is exercised
+    engine.name = "prefill"
+    engine._agent = SimpleNamespace(check_xfer_state=lambda xfer: polls.append(xfer) or "PROC")
+    return engine, WriteHandle(_StuckWrite(), "decode", 3, 4096, "PROC")
+
+
+def test_wait_is_abandoned_as_soon_as_asked_not_at_its_timeout():
+    polls: list = []
+    engine, handle = _stuck_engine(polls)
+    asked = []
+    failed_at = time.monotonic() + 0.2  # the room fails 0.2 s into the wait
+
+    def abandon():
+        asked.append(time.monotonic())
+        return "the room failed" if time.monotonic() >= failed_at else None
+
+    t0, before = time.monotonic(), _StuckWrite.released
+    with pytest.raises(TransferError, match="abandoned while PROC: the room failed") as err:
+        engine.wait(handle, timeout_s=30.0, abandon=abandon)
+    took = time.monotonic() - t0
+    assert 0.2 <= took < 2.0, took
+    assert "prefill -> decode" in str(err.value) and polls
+    assert len(asked) >= 5  # asked while polling, not once
+    assert _StuckWrite.released == before + 1  # the request is released
+
+
+def test_wait_without_abandon_times_out_naming_the_state():
+    engine, handle = _stuck_engine([])
+    with pytest.raises(TransferError, match="still PROC after 0.3 s"):
+        engine.wait(handle, timeout_s=0.3)

@@ -115,22 +115,31 @@ def test_producer_answers_known_agents_at_their_handshake_endpoint():
     assert wire.decode(mgr.pushed[-1][1][1]).rooms == (9,)  # no request here for room 9
 
 
-def test_producer_fails_a_waiting_room_whose_decode_went_silent():
+def test_producer_fails_every_room_held_for_a_decode_that_went_silent():
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = _manager("producer")
     mgr.attn_tp_rank, mgr.attn_tp_size = 0, 1
     mgr.room_claims = RoomClaims(timeout_s=2.0)
-    mgr.request_status = {11: KVPoll.Bootstrapping, 12: KVPoll.WaitingForInput}
+    mgr.request_status = {
+        11: KVPoll.Bootstrapping,
+        12: KVPoll.WaitingForInput,  # the decode sent its pages; the prefill computes its KV
+        13: KVPoll.Transferring,  # its KV is being written
+        14: KVPoll.Success,
+    }
     failures = {}
     mgr.record_failure = failures.__setitem__
     mgr.update_status = lambda room, st: mgr.request_status.__setitem__(room, st)
-    mgr.room_claims.heard("d0", (11, 12), now=0.0)
+    mgr.room_claims.heard("d0", (11, 12, 13, 14), now=0.0)
+    mgr.room_claims.heard("d1", (15,), now=0.0)
     mgr._sweep_orphans(1.0)
     assert failures == {}
-    mgr._sweep_orphans(3.0)  # d0 silent for 3 s; room 12 no longer waits for its decode
-    assert list(failures) == [11] and mgr.request_status[11] == KVPoll.Failed
-    assert "waited for its decode: its decode stopped answering" in failures[11]
+    mgr.room_claims.heard("d1", (15,), now=2.5)  # d1 alive; room 15 is not this rank's
+    mgr._sweep_orphans(3.0)  # d0 silent for 3 s: every room still held for it fails
+    assert sorted(failures) == [11, 12, 13]
+    assert all(mgr.request_status[r] == KVPoll.Failed for r in (11, 12, 13))
+    assert mgr.request_status[14] == KVPoll.Success
+    assert "held for its decode: its decode stopped answering" in failures[13]
 
 
 def test_consumer_loses_a_silent_prefill_and_keeps_one_that_answers(monkeypatch):
