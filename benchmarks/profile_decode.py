@@ -24,12 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_paged_attention import HQ, D, paged  # noqa: E402
 from common import import_kernels  # noqa: E402
+from tune_decode import GRAPH_CONTEXT, HKV  # noqa: E402
 
 from sgl_atom import envs  # noqa: E402
 from sgl_atom.attention import decode_tuning  # noqa: E402
 
 pa = import_kernels("paged_attention")
-GRAPH_CONTEXT = 32768
 
 
 def opcode_table(path: str, top: int = 14) -> str:
@@ -74,13 +74,13 @@ def main() -> None:
         return
     if not args.kv:
         ap.error("--kv is required (or --summarize)")
-    k, v, ks, vs, table, lens = paged(args.batch, args.ctx, 16, args.kv == "fp8", kv_heads=8)
+    k, v, ks, vs, table, lens = paged(args.batch, args.ctx, 16, args.kv == "fp8", kv_heads=HKV)
     q = torch.randn(args.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     device = torch.cuda.get_device_name(0)
     tuning, source = decode_tuning.load(args.kv, device, envs.SGL_ATOM_DECODE_TUNING.get())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = pa.decode_num_splits(args.batch, 8, GRAPH_CONTEXT, sms, tuning.waves)
+    splits = pa.decode_num_splits(args.batch, HKV, GRAPH_CONTEXT, sms, tuning.waves)
     kw = dict(out=out, k_scale=ks, v_scale=vs, num_splits=splits, **tuning.kernel_kwargs())
     for _ in range(args.launches):
         pa.decode_fwd(q, k, v, table, lens, 16, D**-0.5, **kw)

@@ -187,8 +187,9 @@ class AtomDSparkDraftModel(nn.Module):
         if max_context is None:
             max_context = int(lens.max()) if batch else 0
         # one split plan per batch size, from the pool's capacity rather than this step's
-        # lengths: the block attention's kernels see the same split count at every step, so
-        # none is compiled again while serving (the verify of a target runs in CUDA graphs)
+        # lengths: the block attention's kernels see the same split count at every step of a
+        # batch size, so growing contexts do not make Triton compile new variants (the target's
+        # verify runs in CUDA graphs, compiled at capture)
         splits = decode_num_splits(batch, cfg.num_key_value_heads, pool.slots, num_sms(lens.device))
         blk = _Block(
             positions=positions,
