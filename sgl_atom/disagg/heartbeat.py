@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from sgl_atom import envs
 from sgl_atom.disagg import wire
@@ -158,6 +159,17 @@ def dialled_endpoints(connection_pool: dict[str, list[dict]]) -> dict[str, str]:
             if ip and port:
                 out[f"{ip}:{int(port)}"] = addr
     return out
+
+
+def status_snapshot(request_status: Any) -> dict[int, Any]:
+    """A copy of SGLang's ``request_status`` (room -> KVPoll) that another thread can read.
+
+    A PP stage's is a ``PPConsensusStore``: a map with item access but no iteration (``dict()``
+    on it raises ``KeyError: 0``), read here through its local map under its lock."""
+    if isinstance(request_status, dict):
+        return dict(request_status)
+    with request_status._cache_lock:
+        return dict(request_status._local_map)
 
 
 def heartbeat_settings() -> tuple[float, float] | None:
@@ -305,7 +317,7 @@ class SessionHeartbeat:
         # a room is held for its decode from the bootstrap until its KV is written: the decode
         # lists it in every heartbeat until then (a write to a dead decode is abandoned)
         held = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
-        statuses = dict(self.request_status)
+        statuses = status_snapshot(self.request_status)
         waiting = {room for room, st in statuses.items() if st in held}
         for room, why in sorted(self.room_claims.orphans(waiting, now).items()):
             reason = (

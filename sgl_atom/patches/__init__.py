@@ -513,6 +513,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             ("addr_to_rooms_tracker", "instance attribute"),
         )
     ),
+    *(
+        PrivateName(
+            f"sglang.srt.disaggregation.pp_consensus_store.PPConsensusStore.{attr}",
+            "instance attribute",
+            "sgl_atom.disagg.heartbeat.status_snapshot",
+            "a PP stage's request statuses, copied for the prefill's orphan sweep (the store "
+            "has item access but no iteration)",
+        )
+        for attr in ("_local_map", "_cache_lock")
+    ),
     PrivateName(
         "sglang.srt.disaggregation.common.conn.CommonKVReceiver._connect",
         "method",

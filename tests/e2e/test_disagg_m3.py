@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import pytest
 from e2e_utils import teacher_forced_logprobs, word_prompts
-from test_disagg_serving import DECODE_ARGS, DECODE_ENV, PD_ENV, _tpf, prefill_args
+from test_disagg_serving import DECODE_ARGS, PD_ENV, _tpf, prefill_args
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
@@ -102,7 +102,8 @@ def m3pd(servers, model):
     jobs = {
         "m3-unified": (spec, {**PD_ENV, **ENV}),
         "m3-pp2-prefill": ([*spec, *prefill_args(bp), "--pp-size", "2"], {**PD_ENV, **ENV}),
-        "m3-tp2-decode": ([*spec, *DECODE_ARGS, "--tp", "2"], {**DECODE_ENV, **ENV}),
+        # SGLang's own decode heartbeat at its defaults: no prefill is killed here
+        "m3-tp2-decode": ([*spec, *DECODE_ARGS, "--tp", "2"], {**PD_ENV, **ENV}),
     }
     # five scheduler ranks start at once on two cores: allow them twice the time
     started = servers.start_many(

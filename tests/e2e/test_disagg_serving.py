@@ -50,11 +50,13 @@ SPEC_ENV = {
     "SGL_ATOM_CPU_KERNELS": "reference",
     "SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models",
 }
-# Decode notices a dead prefill after one missed heartbeat (SGLang's floor is 2 s).
+# Decode notices a dead prefill after three missed heartbeats 2 s apart (SGLang's floor is
+# 2 s): a killed prefill fails its requests within ~6 s, and a bootstrap server that answers
+# one /health late (over 3 s, on two loaded cores) fails nothing.
 DECODE_ENV = {
     **SPEC_ENV,
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
-    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "3",
 }
 SLOW_WRITE_MS = 6000
 # The PP2 prefill's stages hold layers 0..2 and 3: the draft's tap 1 (the stream entering layer

@@ -115,18 +115,34 @@ def test_producer_answers_known_agents_at_their_handshake_endpoint():
     assert wire.decode(mgr.pushed[-1][1][1]).rooms == (9,)  # no request here for room 9
 
 
-def test_producer_fails_every_room_held_for_a_decode_that_went_silent():
+@pytest.fixture(params=["dict", "pp_stage"])
+def request_status(request):
+    """An empty ``request_status`` as SGLang gives a prefill: a dict, or on a PP stage a
+    ``PPConsensusStore`` (item access, no iteration)."""
+    if request.param == "dict":
+        yield {}
+        return
+    from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
+
+    store = PPConsensusStore(1, 0, SimpleNamespace(broadcast_object=lambda obj, src: obj))
+    yield store
+    store.close()
+
+
+def test_producer_fails_every_room_held_for_a_decode_that_went_silent(request_status):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = _manager("producer")
     mgr.attn_tp_rank, mgr.attn_tp_size = 0, 1
     mgr.room_claims = RoomClaims(timeout_s=2.0)
-    mgr.request_status = {
+    mgr.request_status = request_status
+    for room, status in {
         11: KVPoll.Bootstrapping,
         12: KVPoll.WaitingForInput,  # the decode sent its pages; the prefill computes its KV
         13: KVPoll.Transferring,  # its KV is being written
         14: KVPoll.Success,
-    }
+    }.items():
+        request_status[room] = status
     failures = {}
     mgr.record_failure = failures.__setitem__
     mgr.update_status = lambda room, st: mgr.request_status.__setitem__(room, st)
