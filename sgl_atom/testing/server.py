@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +25,12 @@ from ..launch_server import server_command
 
 
 class ServerStartError(RuntimeError):
-    pass
+    """A managed process that exited, or never answered its health check, during start-up;
+    ``process`` is that (stopped) process, its log still readable."""
+
+    def __init__(self, message: str, process: ManagedProcess | None = None):
+        super().__init__(message)
+        self.process = process
 
 
 def free_port() -> int:
@@ -55,6 +61,7 @@ class ManagedProcess:
         self.name = name
         self.log_path = Path(tempfile.mkstemp(prefix=f"sgl_atom-{name}-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
+        self.start_error: str | None = None  # why start-up failed, when a pool expected it to
 
     def start(self, timeout: float | None = None):
         timeout = timeout or envs.SGL_ATOM_SERVER_TIMEOUT.get()
@@ -71,13 +78,16 @@ class ManagedProcess:
             if self.proc.poll() is not None:
                 raise ServerStartError(
                     f"{self.name} exited with code {self.proc.returncode} during start-up. "
-                    f"Its log said:\n{self.log_tail()}"
+                    f"Its log said:\n{self.log_tail()}",
+                    self,
                 )
             if self._healthy():
                 return self
             time.sleep(1.0)
         self.stop()
-        raise ServerStartError(f"{self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        raise ServerStartError(
+            f"{self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}", self
+        )
 
     def _healthy(self) -> bool:
         try:
@@ -186,11 +196,35 @@ class ServerPool:
                     raise
         raise AssertionError("unreachable")
 
-    def start_many(self, jobs: dict[str, tuple], timeout: float | None = None) -> dict[str, Server]:
-        """Start servers side by side: ``{name: (model, args, env)}`` -> ``{name: Server}``."""
+    def start_many(
+        self,
+        jobs: dict[str, tuple],
+        timeout: float | None = None,
+        refused: Collection[str] = (),
+    ) -> dict[str, Server]:
+        """Start servers side by side: ``{name: (model, args, env)}`` -> ``{name: Server}``.
+
+        The servers named in ``refused`` must fail start-up: each comes back stopped, with
+        ``start_error`` holding why (one that starts is stopped and fails the call)."""
+
+        def one(name: str, model, args, env) -> Server:
+            try:
+                srv = self.start(model, args, timeout, env=env, name=name)
+            except ServerStartError as e:
+                if name not in refused or e.process is None:
+                    raise
+                e.process.start_error = str(e)
+                return e.process
+            if name in refused:
+                srv.stop()
+                raise AssertionError(f"{name} started instead of refusing:\n{srv.log_tail()}")
+            return srv
+
+        unknown = set(refused) - set(jobs)
+        assert not unknown, f"refused names no job: {sorted(unknown)}"
         with ThreadPoolExecutor(len(jobs)) as ex:
             futs = {
-                name: ex.submit(self.start, model, args, timeout, env=env, name=name)
+                name: ex.submit(one, name, model, args, env)
                 for name, (model, args, env) in jobs.items()
             }
             return {name: f.result() for name, f in futs.items()}

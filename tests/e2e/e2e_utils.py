@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from sgl_atom.testing.server import Server
@@ -19,6 +21,14 @@ BASE_ARGS = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--sle
 
 def greedy_texts(srv: Server, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
     return [o["output_ids"] for o in srv.generate(list(prompts), max_new_tokens=max_new)]
+
+
+def side_by_side(fn, jobs: dict) -> dict:
+    """``{name: fn(*args)}`` for ``{name: args}``, every call at once (a thread each: one per
+    server, so servers that share the cores answer together)."""
+    with ThreadPoolExecutor(max(1, len(jobs))) as ex:
+        futs = {name: ex.submit(fn, *args) for name, args in jobs.items()}
+        return {name: f.result() for name, f in futs.items()}
 
 
 def word_prompts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 40) -> list[str]:

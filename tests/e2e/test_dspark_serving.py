@@ -14,12 +14,13 @@ import re
 
 import pytest
 import requests
-from e2e_utils import word_prompts
+from e2e_utils import side_by_side, word_prompts
 
+from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
-from sgl_atom.testing.server import Server, ServerStartError
+from sgl_atom.testing.server import Server
 
 PROMPTS = word_prompts(16, seed=7, min_words=4, max_words=24)
 MAX_NEW = 48
@@ -55,63 +56,69 @@ def chain_target():
     return tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
 
 
-@pytest.fixture(scope="module")
-def baseline(servers, chain_target):
-    srv = servers.start(chain_target, ATOM, env=FAST, name="atom-plain")
-    ids, _ = _run(srv)
-    srv.stop()
-    return ids
-
-
 # "fp8-tp2": the target at TP2 (its embedding and LM head gathered for the draft, which runs
 # whole on both ranks and proposes the same tokens on each)
 SPEC_LABELS = ["bf16", "fp8", "fp8-tp2"]
 
 
-class SpecRuns:
-    """Each labelled ATOM_DSPARK server run, started on first request and kept for the module,
-    so any test (selected alone with ``-k``, in any order) can read any label's figures and no
-    label's server starts twice."""
+def _spec_args(label: str) -> list[str]:
+    dtype, _, tp = label.partition("-tp")
+    return [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1"]
 
-    def __init__(self, servers, chain_target):
-        self.servers, self.chain_target = servers, chain_target
-        self.done: dict[str, tuple | Exception] = {}
 
-    def get(self, label: str) -> tuple:
-        """(label, greedy ids, tokens/forward per prompt, {"log", "metrics", "tpf_again"})."""
-        if label not in self.done:
-            try:
-                self.done[label] = self._run(label)
-            except Exception as e:  # kept, so a failed label's server is not started again
-                self.done[label] = e
-                raise
-        if isinstance(self.done[label], Exception):
-            raise self.done[label]
-        return self.done[label]
+def _spec_run(label: str, srv: Server) -> tuple:
+    """(label, greedy ids, tokens/forward per prompt, {"log", "metrics", "tpf_again"})."""
+    before = _metrics(srv)
+    ids, tpf = _run(srv)
+    after = _metrics(srv)
+    _flush_cache(srv)  # a second run of the same prompts that re-drafts every token
+    again, tpf_again = _run(srv)
+    srv.stop()
+    assert again == ids, "greedy output is the same in a second run"
+    return (
+        label,
+        ids,
+        tpf,
+        {"log": srv.log_text(), "metrics": (before, after), "tpf_again": tpf_again},
+    )
 
-    def _run(self, label: str) -> tuple:
-        dtype, _, tp = label.partition("-tp")
-        args = [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1"]
-        srv = self.servers.start(self.chain_target, args, env=MODELS_ENV, name=f"dspark-{label}")
-        before = _metrics(srv)
-        ids, tpf = _run(srv)
-        after = _metrics(srv)
-        _flush_cache(srv)  # a second run of the same prompts that re-drafts every token
-        again, tpf_again = _run(srv)
-        log = srv.log_text()
-        srv.stop()
-        assert again == ids, "greedy output is the same in a second run"
-        return label, ids, tpf, {"log": log, "metrics": (before, after), "tpf_again": tpf_again}
+
+def _plain_run(label: str, srv: Server) -> tuple:
+    ids, tpf = _run(srv)
+    srv.stop()
+    return ids, tpf, srv.log_text()
 
 
 @pytest.fixture(scope="module")
-def spec_runs(servers, chain_target) -> SpecRuns:
-    return SpecRuns(servers, chain_target)
+def runs(servers, chain_target) -> dict[str, tuple]:
+    """Every serving server of this module, started and answering side by side: "plain" (no
+    speculation) and "stale" (the draft when decoded tokens' context K/V is never written) ->
+    (greedy ids, tokens/forward, log); each of SPEC_LABELS -> :func:`_spec_run`'s tuple."""
+    stale_env = {**MODELS_ENV, "SGL_ATOM_DSPARK_FAULT": "stale-context"}
+    jobs = {
+        "plain": (_plain_run, ATOM, FAST),
+        **{label: (_spec_run, _spec_args(label), MODELS_ENV) for label in SPEC_LABELS},
+        "stale": (_plain_run, [*ATOM, *SPEC], stale_env),
+    }
+    # six scheduler ranks start at once on two cores: allow them twice the time
+    started = servers.start_many(
+        {f"dspark-{name}": (chain_target, args, env) for name, (_, args, env) in jobs.items()},
+        timeout=2 * envs.SGL_ATOM_SERVER_TIMEOUT.get(),
+    )
+    return side_by_side(
+        lambda name, fn: fn(name, started[f"dspark-{name}"]),
+        {name: (name, fn) for name, (fn, _, _) in jobs.items()},
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(runs) -> list[list[int]]:
+    return runs["plain"][0]
 
 
 @pytest.fixture(scope="module", params=SPEC_LABELS)
-def spec_run(request, spec_runs):
-    return spec_runs.get(request.param)
+def spec_run(request, runs):
+    return runs[request.param]
 
 
 def _flush_cache(srv) -> None:
@@ -139,7 +146,7 @@ def test_lossless(spec_run, baseline, report):
 
 
 @pytest.mark.parametrize("spec_run", ["fp8", "fp8-tp2"], indirect=True)
-def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, spec_runs, report):
+def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, runs, report):
     """The same 16 prompts, two runs per pool (radix cache flushed between them): the fp8
     pool's tokens/forward differs from the bf16 pool's by no more than the noise, taken as the
     larger of the spread between two runs and the spread between the two halves of the prompts
@@ -147,7 +154,7 @@ def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, spec_runs, r
     label = spec_run[0]
     figures = {}
     for name in ("bf16", label):
-        _, _, first, out = spec_runs.get(name)
+        _, _, first, out = runs[name]
         second = out["tpf_again"]
         figures[name] = (_tpf(first), _tpf(second), _tpf(first[:8]), _tpf(first[8:]))
     run_spread = max(abs(f[0] - f[1]) for f in figures.values())
@@ -215,14 +222,8 @@ def test_draft_pool_dtype(spec_run, chain_target, report):
 
 
 @pytest.fixture(scope="module")
-def stale_run(servers, chain_target):
-    """The same draft when decoded tokens' context K/V is never written."""
-    env = {**MODELS_ENV, "SGL_ATOM_DSPARK_FAULT": "stale-context"}
-    srv = servers.start(chain_target, [*ATOM, *SPEC], env=env, name="dspark-stale")
-    ids, tpf = _run(srv)
-    log = srv.log_text()
-    srv.stop()
-    return ids, tpf, log
+def stale_run(runs) -> tuple:
+    return runs["stale"]
 
 
 def test_broken_context_write_collapses_acceptance(stale_run, spec_run, baseline, report):
@@ -261,28 +262,36 @@ def test_metrics_report_tokens_per_forward(spec_run, report):
     assert verifies == pytest.approx(sum(len(i) / t for i, t in zip(ids, tpf, strict=True)))
 
 
-@pytest.mark.parametrize(
-    "args, env, message",
-    [
-        (["--speculative-algorithm", NAME], MODELS_ENV, "needs --speculative-draft-model-path"),
-        (
-            [*SPEC, "--speculative-num-draft-tokens", "3"],
-            MODELS_ENV,
-            "does not match the draft's block size k=4",
-        ),
-        (SPEC, FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"),
-        (
-            [*SPEC, "--attention-backend", "torch_native"],
-            MODELS_ENV,
-            f"--speculative-algorithm {NAME} needs --attention-backend atom",
-        ),
-    ],
-    ids=["no-draft", "window-mismatch", "no-model-package", "torch-native"],
-)
-def test_refused_at_startup(chain_target, args, env, message):
-    srv = Server(chain_target, ["--attention-backend", "atom", *args], env=env, name="refused")
-    try:
-        with pytest.raises(ServerStartError, match=re.escape(message)):
-            srv.start(timeout=240)
-    finally:
-        srv.stop()
+REFUSED = {  # name: (args, env, what the start-up error names)
+    "no-draft": (
+        ["--speculative-algorithm", NAME],
+        MODELS_ENV,
+        "needs --speculative-draft-model-path",
+    ),
+    "window-mismatch": (
+        [*SPEC, "--speculative-num-draft-tokens", "3"],
+        MODELS_ENV,
+        "does not match the draft's block size k=4",
+    ),
+    "no-model-package": (SPEC, FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"),
+    "torch-native": (
+        [*SPEC, "--attention-backend", "torch_native"],
+        MODELS_ENV,
+        f"--speculative-algorithm {NAME} needs --attention-backend atom",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def refused(servers, chain_target) -> dict[str, Server]:
+    """The servers of REFUSED, started side by side; each must refuse start-up."""
+    jobs = {
+        name: (chain_target, ["--attention-backend", "atom", *args], env)
+        for name, (args, env, _) in REFUSED.items()
+    }
+    return servers.start_many(jobs, timeout=240, refused=jobs)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_at_startup(refused, name):
+    assert REFUSED[name][2] in refused[name].start_error

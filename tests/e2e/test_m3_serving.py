@@ -10,8 +10,8 @@ past 256 skip the middle block); a copy of the checkpoint with ``sparse_topk_blo
 block of a 3-block prompt attended) against the same weights with every layer dense
 (``sparse_attention_freq`` all 0: the layers attend through ``RadixAttention``, the index
 projections are not loaded); and a config the sparse kernels cannot serve, which must stop the
-server at load with every unsupported field named. Each server is stopped once its answers are
-in, so at most one runs at a time.
+server at load with every unsupported field named. The servers start and answer side by side;
+each is stopped once its answers are in.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import re
 
 import pytest
 import torch
-from e2e_utils import greedy_from_ids, teacher_forced_logprobs, word_prompts
+from e2e_utils import greedy_from_ids, side_by_side, teacher_forced_logprobs, word_prompts
 
 from m3_reference import M3Reference
+from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.testing import tiny
-from sgl_atom.testing.server import Server, ServerStartError
+from sgl_atom.testing.server import Server
 
 PROMPT_TOKENS = 420
 # bf16 server vs float64 reference. Nearly every position agrees to ~1e-2; a token whose
@@ -90,21 +91,47 @@ def prompt(model) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served(servers, model, prompt) -> tuple[list[float], Server]:
-    srv = servers.start(model, ARGS, env=ENV)
-    logprobs = teacher_forced_logprobs(srv, [prompt])[0]
-    greedy_from_ids(srv, [prompt], DECODE_TOKENS)
-    srv.stop()
-    return logprobs, srv
+def m3_runs(servers, model, prompt) -> dict[str, tuple[list[float], list[int], Server]]:
+    """Every server of this module, started and answering side by side: name -> (teacher-forced
+    log-probs, greedy tokens, the stopped server); "unservable" -> the server that refused."""
+    layers = M3Reference.load(model).cfg["num_hidden_layers"]
+    sparse = _variant(model, f"topk{COVER_TOPK}", {"sparse_topk_blocks": COVER_TOPK})
+    dense_cfg = {"sparse_attention_freq": [0] * layers, "sparse_disable_index_value": [0] * layers}
+    bad = _variant(model, "unservable", UNSERVABLE["sparse"], head_dim=UNSERVABLE["head_dim"])
+    jobs = {  # name: (checkpoint, args, prompt, greedy tokens)
+        "bf16": (model, ARGS, prompt, DECODE_TOKENS),
+        "fp8": (model, [*ARGS, "--kv-cache-dtype", "fp8_e4m3"], prompt[:FP8_TOKENS], DECODE_TOKENS),
+        "sparse": (sparse, ARGS, prompt[:COVER_TOKENS], COVER_NEW),
+        "dense": (_variant(model, "dense", dense_cfg), ARGS, prompt[:COVER_TOKENS], COVER_NEW),
+        "unservable": (bad, ARGS, None, 0),
+    }
+    # five servers start at once on two cores: allow them twice the time
+    started = servers.start_many(
+        {f"m3-{name}": (path, args, ENV) for name, (path, args, _, _) in jobs.items()},
+        timeout=2 * envs.SGL_ATOM_SERVER_TIMEOUT.get(),
+        refused=["m3-unservable"],
+    )
+
+    def answer(srv: Server, ids: list[int], new: int) -> tuple[list[float], list[int], Server]:
+        logprobs = teacher_forced_logprobs(srv, [ids])[0]
+        tokens = greedy_from_ids(srv, [ids], new)[0]  # prefix from the radix cache
+        srv.stop()
+        return logprobs, tokens, srv
+
+    work = {n: (started[f"m3-{n}"], ids, new) for n, (_, _, ids, new) in jobs.items() if ids}
+    out = side_by_side(answer, work)
+    out["unservable"] = ([], [], started["m3-unservable"])
+    return out
 
 
 @pytest.fixture(scope="module")
-def served_fp8(servers, model, prompt) -> tuple[list[float], Server]:
-    srv = servers.start(model, [*ARGS, "--kv-cache-dtype", "fp8_e4m3"], env=ENV)
-    logprobs = teacher_forced_logprobs(srv, [prompt[:FP8_TOKENS]])[0]
-    greedy_from_ids(srv, [prompt[:FP8_TOKENS]], DECODE_TOKENS)
-    srv.stop()
-    return logprobs, srv
+def served(m3_runs) -> tuple[list[float], Server]:
+    return m3_runs["bf16"][0], m3_runs["bf16"][2]
+
+
+@pytest.fixture(scope="module")
+def served_fp8(m3_runs) -> tuple[list[float], Server]:
+    return m3_runs["fp8"][0], m3_runs["fp8"][2]
 
 
 def _skip_counts(srv: Server) -> tuple[int, int, int]:
@@ -171,27 +198,11 @@ def test_fp8_kv_sparse_layers_skip_blocks(served_fp8, report):
 
 
 @pytest.fixture(scope="module")
-def covering_vs_dense(servers, model, prompt) -> dict[str, tuple[list[float], list[int], str]]:
+def covering_vs_dense(m3_runs) -> dict[str, tuple[list[float], list[int], str]]:
     """Teacher-forced log-probs, greedy tokens and server log of the top-k-covers-all copy and
     of the all-dense copy (same weights)."""
-    layers = M3Reference.load(model).cfg["num_hidden_layers"]
-    copies = {
-        "sparse": _variant(model, f"topk{COVER_TOPK}", {"sparse_topk_blocks": COVER_TOPK}),
-        "dense": _variant(
-            model,
-            "dense",
-            {"sparse_attention_freq": [0] * layers, "sparse_disable_index_value": [0] * layers},
-        ),
-    }
-    ids = prompt[:COVER_TOKENS]
-    out = {}
-    for name, path in copies.items():
-        srv = servers.start(path, ARGS, env=ENV, name=f"m3-{name}")
-        logprobs = teacher_forced_logprobs(srv, [ids])[0]
-        tokens = greedy_from_ids(srv, [ids], COVER_NEW)[0]  # prefix from the radix cache
-        srv.stop()
-        out[name] = (logprobs, tokens, srv.log_text())
-    return out
+    return {name: (m3_runs[name][0], m3_runs[name][1], m3_runs[name][2].log_text())
+            for name in ("sparse", "dense")}  # fmt: skip
 
 
 def _reference_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
@@ -222,11 +233,9 @@ def test_topk_covering_every_block_equals_dense(covering_vs_dense, model, prompt
     assert err.mean() <= COVER_TOL_MEAN and err.max() <= COVER_TOL_MAX
 
 
-def test_unservable_sparse_config_stops_the_server_at_load(servers, model):
-    bad = _variant(model, "unservable", UNSERVABLE["sparse"], head_dim=UNSERVABLE["head_dim"])
-    with pytest.raises(ServerStartError):
-        servers.start(bad, ARGS, env=ENV, name="m3-unservable")
-    srv = servers.started[-1]
+def test_unservable_sparse_config_stops_the_server_at_load(m3_runs):
+    srv = m3_runs["unservable"][2]
+    assert "during start-up" in srv.start_error
     log = srv.log_text()
     assert "SparseConfigError" in log
     missing = [needle for needle in UNSERVABLE_NAMED if needle not in log]

@@ -72,6 +72,46 @@ def test_exit_during_start_up_raises_with_the_log_tail():
     with pytest.raises(ServerStartError, match="exited with code 3") as err:
         proc.start(timeout=30)
     assert "cannot serve: no model" in str(err.value)
+    assert err.value.process is proc and proc.proc.poll() == 3
+
+
+BROKEN = "print('cannot serve: no model'); raise SystemExit(3)"
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    """A ServerPool whose "servers" are the small HTTP child (model "good") or a child that
+    exits at start-up (model "broken")."""
+    from sgl_atom.testing import server
+
+    def fake_server(model, args, env=None, name="server"):
+        port = free_port()
+        code = [CHILD, str(port)] if model == "good" else [BROKEN]
+        return ManagedProcess([sys.executable, "-c", *code], None, port, name)
+
+    monkeypatch.setattr(server, "Server", fake_server)
+    pool = server.ServerPool()
+    yield pool
+    pool.stop_all()
+
+
+def test_start_many_returns_refused_servers_with_why(pool):
+    jobs = {"a": ("good", [], {}), "b": ("broken", [], {}), "c": ("good", [], {})}
+    got = pool.start_many(jobs, timeout=30, refused=["b"])
+    assert got["a"]._healthy() and got["c"]._healthy()
+    assert got["a"].start_error is None
+    assert "exited with code 3" in got["b"].start_error
+    assert "cannot serve: no model" in got["b"].log_text()
+
+
+def test_start_many_fails_on_an_unexpected_refusal_or_an_unexpected_start(pool):
+    with pytest.raises(ServerStartError, match="exited with code 3"):
+        pool.start_many({"a": ("good", [], {}), "b": ("broken", [], {})}, timeout=30)
+    with pytest.raises(AssertionError, match="a started instead of refusing"):
+        pool.start_many({"a": ("good", [], {})}, timeout=30, refused=["a"])
+    assert pool.started[-1].proc.poll() is not None  # stopped, not left serving
+    with pytest.raises(AssertionError, match="refused names no job"):
+        pool.start_many({"a": ("good", [], {})}, timeout=30, refused=["z"])
 
 
 def test_a_server_that_ignores_sigterm_is_killed_with_its_children(monkeypatch):
