@@ -10,7 +10,7 @@ import sys
 
 import requests
 
-from .server import ManagedProcess, free_port
+from .server import ManagedProcess, ServerStartError, free_port
 
 
 def router_command(
@@ -51,5 +51,21 @@ class Router(ManagedProcess):
             return False
         return all(stats.get(k) == n for k, n in self.expected.items())
 
-    def start(self, timeout: float | None = 120.0) -> Router:
-        return super().start(timeout)
+    def start(self, timeout: float | None = 150.0) -> Router:
+        """Start and wait for the workers to be listed; once more if the first process is not
+        ready in ``timeout`` (one router on two loaded cores wrote no line in 120 s while its
+        --help takes 13 s there): its log is kept beside the second's."""
+        try:
+            return super().start(timeout)
+        except ServerStartError as first:
+            self.stop()
+            if self.proc is None or "exited with code" in str(first):
+                raise
+            failed_log = self.log_path.with_suffix(".first.log")
+            self.log_path.replace(failed_log)
+            try:
+                return super().start(timeout)
+            except ServerStartError as second:
+                raise ServerStartError(
+                    f"{second}\n(the first attempt, {failed_log}: {first})", self
+                ) from second

@@ -154,3 +154,43 @@ def _short_first_wait(wait):
         return wait(self, timeout=min(timeout, 1.0) if timeout == 20 else timeout)
 
     return short
+
+
+ROUTERISH = r"""
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port, marker = int(sys.argv[1]), sys.argv[2]
+if not os.path.exists(marker):  # the first process hangs before a word
+    open(marker, "w").close()
+    time.sleep(3600)
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {"stats": {"prefill_count": 1, "decode_count": 1}} if self.path == "/workers" else {}
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+print("router listening", flush=True)
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_a_router_that_hangs_at_start_is_started_once_more(tmp_path):
+    from sgl_atom.testing.router import Router
+
+    router = Router([("http://127.0.0.1:1", 2)], ["http://127.0.0.1:3"])
+    router.cmd = [sys.executable, "-c", ROUTERISH, str(router.port), str(tmp_path / "first")]
+    try:
+        router.start(timeout=5)
+        assert "router listening" in router.log_text()
+        assert router.log_path.with_suffix(".first.log").exists()
+    finally:
+        router.stop()
+    assert router.proc.poll() is not None
