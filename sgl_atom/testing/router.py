@@ -58,8 +58,7 @@ class Router(ManagedProcess):
         try:
             return super().start(timeout)
         except ServerStartError as first:
-            self.stop()
-            if self.proc is None or "exited with code" in str(first):
+            if "exited with code" in str(first):  # a crash: a second start would crash too
                 raise
             failed_log = self.log_path.with_suffix(".first.log")
             self.log_path.replace(failed_log)
