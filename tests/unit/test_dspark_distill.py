@@ -2,8 +2,8 @@
 chain target (``llama-chain-target``) the chain draft is a full checkpoint, its speculative loop
 is lossless, and acceptance is real: at least 4 tokens per forward at k=4 on held-out word
 prompts, a random draft of the same config stays near 1, taps read one layer late lose at least
-half a token. The pieces (pure-torch target, batched anchor forward, batched measurement,
-training step) match their references."""
+half a token. The pieces (the transformers-backed target's taps and cached greedy, batched anchor
+forward, batched measurement, training step) match their references."""
 
 from __future__ import annotations
 
@@ -68,22 +68,46 @@ def test_held_out_prompts_are_not_training_prompts(draft):
     assert not train & set(held_out)
 
 
-def test_torch_target_matches_transformers(ckpts):
-    hf = distill.load_target(ckpts[0])
-    mine = LlamaTarget.load(ckpts[0])
+def test_llama_target_taps_and_cached_greedy(ckpts):
+    """Taps are the decoder layers' outputs (HF's hidden states below the last layer, the last
+    one before the final norm), and the KV-cached greedy, batched by prompt length, equals argmax
+    decoding recomputed over the whole sequence."""
+    hf = distill.load_target(ckpts[0])  # transformers' own tokenizer and hidden states
+    target = LlamaTarget.load(ckpts[0])
     prompts = distill.held_out_word_prompts(3) + distill.held_out_prompts(3)
-    toks = mine.encode_batch(prompts)
+    toks = target.encode_batch(prompts)
     assert toks == [hf.encode(p) for p in prompts]
-    ids = torch.tensor([toks[0]])
+    ids, h, last = torch.tensor([toks[0]]), target.hidden, target.num_layers - 1
+    logits, taps = target.forward(ids, (last, *range(last)))  # in the order asked
     out = hf.model(ids, output_hidden_states=True)
-    logits, taps = mine.forward(ids, (1, 2))
-    torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(
-        taps, ref.taps_from_hidden_states(out.hidden_states, (1, 2)), rtol=1e-4, atol=1e-4
-    )
-    seqs = mine.greedy_sequences(toks, 12, batch=2)  # KV-cached, grouped by prompt length
-    for p, s in zip(toks, seqs, strict=True):
-        assert s.tolist() == p + distill.plain_greedy(hf, p, 12)
+    for i in range(last):
+        torch.testing.assert_close(taps[..., (i + 1) * h : (i + 2) * h], out.hidden_states[i + 1])
+    raw = taps[..., :h]
+    torch.testing.assert_close(target.model.model.norm(raw), out.hidden_states[-1])
+    assert (raw - out.hidden_states[-1]).abs().max() > 0.1  # the tap is not the normed entry
+    torch.testing.assert_close(logits, out.logits)
+    with pytest.raises(ValueError, match="tap ids"):
+        target.forward(ids, (target.num_layers,))
+    rows = toks + [t[::-1] for t in toks[:3]]  # three lengths decode two rows together
+    seqs = target.greedy_sequences(rows, 12, batch=2)
+    for p, s in zip(rows, seqs, strict=True):
+        full = torch.tensor([p])
+        for _ in range(12):
+            full = torch.cat([full, target.forward(full)[0][:, -1:].argmax(-1)], dim=1)
+        assert torch.equal(s, full[0])
+
+
+def test_llama_trainer_model_trains_the_initial_weights(ckpts):
+    config = json.loads((ckpts[0] / "config.json").read_text())
+    model, w, names = train_target.init_model(config, ckpts[0], 0, "cpu", None)
+    init = train_target.init_weights(config, 0, "cpu")
+    assert set(w) == set(init) and names == {k: k for k in w}
+    assert all(torch.equal(w[k], init[k]) for k in init)
+    ids = torch.randint(0, config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = model.logits(ids[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for k, p in w.items():  # the weights handed to the optimiser are the ones the forward ran
+        assert p.grad is not None and p.grad.abs().sum() > 0, k
 
 
 def test_batched_anchor_forward_matches_the_reference(chain):

@@ -1,6 +1,6 @@
 """M3Target, the batched pure-torch M3 target for distillation: equal to the float64 M3Reference
 within the dense-exact bound, batched rows equal single rows, taps, KV-cached greedy, the bound's
-refusal, model_type dispatch, and autograd through ``_layer``."""
+refusal, model_type dispatch, and autograd through ``logits``."""
 
 from __future__ import annotations
 
@@ -152,10 +152,7 @@ def test_gradients_flow_through_layers(ckpts, seqs):
         p.requires_grad_(True)
         p.grad = None
     ids = seqs[2][None]
-    x = model.embed[ids]
-    for i in range(model.num_layers):
-        x = model._layer(i, x, 0, None)
-    logits = model._norm(x, "model.norm.weight") @ model.lm_head.T
+    logits = model.logits(ids)  # through _layer, the target trainer's forward
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
     loss.backward()
     for n, p in zip(names + ("lm_head.weight",), params, strict=True):

@@ -7,8 +7,9 @@
 
 Training data: seed-fixed prompts (mostly random words of the tiny tokenizer's vocabulary,
 like the e2e tests' ``word_prompts``, the rest from the tiny builder's sentence corpus) and the
-target's greedy continuations of them, decoded in batch by the pure-torch target
-(:mod:`dspark_training.llama_target`, any device, no ``transformers`` needed). A training
+target's greedy continuations of them, decoded in batch by the target
+(:mod:`dspark_training.llama_target` over transformers, or the pure-torch
+:mod:`dspark_training.m3_target`; any device). A training
 example is an anchor position n among the generated tokens: context = taps of positions
 0..n-1, block input = [token n, MASK x (k-1)], labels = tokens n+1..n+k (the target's greedy
 choices). Every step draws a batch of sequences, runs the target once over them for the taps

@@ -1,17 +1,17 @@
 """A pure-torch MiniMax-M3-style target for distillation: batched greedy decoding and taps.
 
 Same interface as :class:`~dspark_training.llama_target.LlamaTarget` (``embed``,
-``lm_head``, ``_layer``, ``_norm``, ``forward``, ``greedy``, ``greedy_sequences``, ``encode``,
-``encode_batch``, ``num_layers``, ``hidden``, ``device``), so the target trainer and the DSpark
-distiller can drive either. The math is :class:`~m3_reference.M3Reference`'s
+``lm_head``, ``logits``, ``forward``, ``greedy``, ``greedy_sequences``, ``encode``,
+``encode_batch``, ``num_layers``, ``hidden``, ``device``, ``w``), so the target trainer and the
+DSpark distiller can drive either. The math is :class:`~m3_reference.M3Reference`'s
 (whose ``gemma_rms_norm``, ``rope_neox`` and ``route`` it reuses), batched over right-padded
 rows: Gemma RMSNorms, per-head q/k norms before NeoX RoPE on the first ``rotary_dim`` channels,
 scale ``head_dim ** -0.5``, GQA, a SiLU-and-mul MLP on layers with ``moe_layer_freq[i] == 0``
 and the routed MoE (plus unscaled shared experts) elsewhere, final Gemma norm, untied lm_head.
-``_layer`` keeps autograd (the trainer backpropagates through it); ``forward`` and ``greedy``
-run without grad. The router alone runs in float32 (as served); its matmul rounds differently
-for other batch shapes, so a row of a batch agrees with the same row alone to float32 rounding
-of the routing weights (about 1e-7 relative), even with float64 weights.
+``_layer`` and ``logits`` keep autograd (the trainer backpropagates through them); ``forward``
+and ``greedy`` run without grad. The router alone runs in float32 (as served); its matmul
+rounds differently for other batch shapes, so a row of a batch agrees with the same row alone
+to float32 rounding of the routing weights (about 1e-7 relative), even with float64 weights.
 
 Attention is DENSE causal attention on every layer: no block scoring, so the ``index_q`` /
 ``index_k`` projections and their norms are loaded but unused. This equals the served sparse
@@ -39,7 +39,7 @@ from sgl_atom.kernels.sparse_attention import SPARSE_BLOCK
 from m3_reference import gemma_rms_norm, rope_neox, route
 from sgl_atom.attention.sparse import SparseConfig
 
-from .llama_target import LlamaTarget, cached_attention, load_tokenizer
+from .llama_target import LlamaTarget, load_tokenizer
 
 M3_MODEL_TYPE = "minimax_m2"  # what MiniMaxM3SparseForCausalLM checkpoints declare
 M3_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
@@ -53,6 +53,33 @@ def _check_m3_config(target_dir: Path, config: dict) -> None:
             f"checkpoint (model_type {M3_MODEL_TYPE!r}, {M3_ARCHITECTURE}); load a llama "
             "checkpoint with LlamaTarget, or any of both with load_target_model"
         )
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of q [B, heads, T, d] over k, v [B, kv_heads, T, d] at positions
+    start..start+T-1 -> [B, T, heads * d]. With ``cache`` (K, V [B, kv_heads, max, d]) the new
+    K/V are written there first and every cached position up to start+T is attended: T == 1
+    decodes against the whole cache; a multi-token chunk must start at position 0."""
+    b, heads, t, _ = q.shape
+    if cache is not None:
+        ck, cv = cache
+        ck[:, :, start : start + t] = k
+        cv[:, :, start : start + t] = v
+        k, v = ck[:, :, : start + t], cv[:, :, : start + t]
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    causal = t > 1
+    if causal and start:
+        raise ValueError("a multi-token chunk must start at position 0")
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return o.transpose(1, 2).reshape(b, t, -1)
 
 
 class M3Target:
@@ -183,6 +210,13 @@ class M3Target:
         h = self._norm(x, p + "post_attention_layernorm.weight")
         return x + (self._moe(p + "mlp.", h) if self.moe[i] else self._mlp(p + "mlp.", h))
 
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] of ids [B, T] through :meth:`_layer`, with autograd."""
+        x = self.embed[ids]
+        for i in range(self.num_layers):
+            x = self._layer(i, x, 0, None)
+        return self._norm(x, "model.norm.weight") @ self.lm_head.T
+
     @torch.no_grad()
     def forward(
         self,
@@ -240,7 +274,7 @@ class M3Target:
     greedy_sequences = LlamaTarget.greedy_sequences
 
 
-TorchTarget = LlamaTarget | M3Target  # the pure-torch targets distillation and training run
+TorchTarget = LlamaTarget | M3Target  # the targets distillation and training run
 
 
 def load_target_model(target_dir: Path, device: str | torch.device = "cpu") -> TorchTarget:
@@ -252,6 +286,6 @@ def load_target_model(target_dir: Path, device: str | torch.device = "cpu") -> T
     if model_type == M3_MODEL_TYPE:
         return M3Target.load(target_dir, device)
     raise ValueError(
-        f"{target_dir}: no pure-torch target for model_type {model_type!r}; "
+        f"{target_dir}: no distillation target for model_type {model_type!r}; "
         f"supported: 'llama', {M3_MODEL_TYPE!r}"
     )

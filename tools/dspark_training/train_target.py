@@ -16,10 +16,10 @@ A training sequence is a random-word prefix (2-48 words drawn uniformly, like th
 ``word_prompts``) followed by a chain continuation seeded by the prefix's last two words; the
 loss covers the continuation only, so after ANY prompt the model continues the chain. The
 model is ``--base``'s architecture (config and tokenizer copied from it): a llama config starts
-from a seeded init and runs :class:`~dspark_training.llama_target.LlamaTarget`'s layers; an
-M3 config starts from ``--base``'s weights and runs
-:class:`~dspark_training.m3_target.M3Target`'s (dense attention, so ``--seq-len`` may not
-pass its ``dense_exact_tokens``). Trained with
+from a seeded init copied into transformers' ``LlamaForCausalLM``
+(:class:`~dspark_training.llama_target.LlamaTarget`); an M3 config starts from ``--base``'s
+weights and runs :class:`~dspark_training.m3_target.M3Target`'s layers (dense attention, so
+``--seq-len`` may not pass its ``dense_exact_tokens``). Trained with
 AdamW (bf16 autocast on CUDA) under a warm-up then cosine schedule capped by steps or
 ``--max-seconds``, and saved as float16 safetensors with ``train_target.json`` (seed, command,
 figures: held-out loss against the chain's entropy floor, agreement of the argmax with the
@@ -194,13 +194,15 @@ def init_model(
 ) -> tuple[TorchTarget, dict[str, torch.Tensor], dict[str, str]]:
     """(model, trainable weights, {weight name: checkpoint name}).
 
-    A llama config starts from :func:`init_weights`; an M3 config from ``base``'s own weights
+    A llama config starts from :func:`init_weights` (copied into the ``LlamaForCausalLM`` whose
+    parameters are the trainable weights); an M3 config from ``base``'s own weights
     (the tiny builder's seeded random checkpoint), its MoE tensors named ``mlp.`` like
     :class:`M3Target` reads them and saved back under the checkpoint's ``block_sparse_moe.``.
     """
     if config.get("model_type") != M3_MODEL_TYPE:
-        w = {k: v.requires_grad_(True) for k, v in init_weights(config, seed, device).items()}
-        return LlamaTarget(config, w, tokenizer), w, {k: k for k in w}
+        model = LlamaTarget.from_weights(config, init_weights(config, seed, device), tokenizer)
+        model.model.requires_grad_(True)
+        return model, model.w, {k: k for k in model.w}
     from safetensors.torch import load_file
 
     raw = load_file(str(base / "model.safetensors"))
@@ -209,18 +211,10 @@ def init_model(
     return M3Target(config, w, tokenizer), w, names
 
 
-def lm_logits(model: TorchTarget, ids: torch.Tensor) -> torch.Tensor:
-    """Logits [B, T, vocab] through the target's own layers, with autograd."""
-    x = model.embed[ids]
-    for i in range(model.num_layers):
-        x = model._layer(i, x, 0, None)
-    return model._norm(x, "model.norm.weight") @ model.lm_head.T
-
-
 def chain_loss(model: TorchTarget, ids: torch.Tensor, chain: torch.Tensor, amp: bool):
     """Mean next-token cross-entropy over tokens of chain words, and the argmax hits there."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        logits = lm_logits(model, ids[:, :-1])
+        logits = model.logits(ids[:, :-1])
     logits, labels, mask = logits.float(), ids[:, 1:], chain[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     ce = ce.view(labels.shape)
@@ -234,7 +228,7 @@ def choice_agreement(model: TorchTarget, chain: WordChain, words, plen, length, 
     predicted from the position before the word."""
     ids, is_chain = chain.tokens(words, plen, length)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        pred = lm_logits(model, ids).argmax(-1)
+        pred = model.logits(ids).argmax(-1)
     form = words.clone()
     form[:, 0] += chain.vocab
     lens = chain.tok_len[form]
