@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-spec|tune-decode|nixl
+#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-spec|tune-decode|nixl|pack
+# Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
 # kernels, tune-decode, tune-kernels and ncu-decode need torch and Triton only: they run on part
 # 1 alone (the first call of the two-call routine).
 # tune-kernels writes the measured decode tuning to
@@ -51,7 +52,9 @@ case "$what" in
     [ -f /tmp/decode_tuning.json ] && export SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json
     timeout 150 bash "$0" ncu-decode > /dev/null 2>&1
     kernel_tests ;;
-  tier) python3 -m pytest -q -rsx tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_server_tests.log"
+  tier) # the pytest run is capped (TIER_TIMEOUT s) so the servers' log tails are kept when it is cut
+        timeout "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu/test_server_tier.py "$@" 2>&1 \
+          | tee "$OUT/gpu_server_tests.log"
         for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log" ;;
   bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
@@ -68,8 +71,9 @@ case "$what" in
     python3 benchmarks/profile_decode.py --summarize /tmp/decode_bf16_sass.csv \
       /tmp/decode_fp8_sass.csv > "$OUT/ncu_decode_summary.txt" 2>&1
     tail -n 40 "$OUT"/ncu_decode_summary.txt ;;
+  pack) ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-spec|tune-decode|nixl [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-spec|tune-decode|nixl|pack [args]"; exit 2 ;;
 esac

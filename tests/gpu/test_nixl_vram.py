@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_atom.disagg.engine import DRAM, VRAM, NixlEngine, TransferError, mem_kind
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+# sgl_atom.disagg needs pydantic, which the GPU machine gets with SGLang (part 2 of the bundle)
+pytest.importorskip("pydantic", reason="sgl_atom.disagg needs pydantic: bring up SGLang first")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from sgl_atom.disagg.engine import DRAM, VRAM, NixlEngine, TransferError, mem_kind  # noqa: E402
 
 PAGE_BYTES = 16 * 8 * 128 * 2  # a 16-token page of 8 bf16 heads of dim 128
 PAGES = 512
