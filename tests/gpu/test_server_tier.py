@@ -17,6 +17,7 @@ the end; one that is known to fail is ``xfail(strict=True)`` naming its issue.
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -219,39 +220,97 @@ def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
     assert same == len(want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 (M3 on the GPU), H200 2026-12-02: serves with decode graphs (prefill "
-    "graphs refused for sparse models) but the teacher-forced log-probs were off the float64 "
-    "reference (25.8% of positions within 0.03, CPU 99%; max 0.40): SGLang's CUDA FusedMoE "
-    "wrote the routed output over its input, which the shared expert then read. The layer is "
-    "built with inplace=False now (tests/unit/test_m3_moe.py); not yet run on the GPU",
-)
-def test_m3_tiny_matches_float64_reference(gpu_servers, report):
-    """The tiny ``m3`` checkpoint served by sgl_atom's M3 class (sparse layers skip blocks)
-    within the CPU e2e's bounds of the float64 reference forward."""
-    import torch
-    from test_m3_serving import ARGS, BULK_FRACTION, ENV, PROMPT_TOKENS, TOL_BULK, TOL_MAX
+@pytest.fixture(scope="module")
+def m3_gpu(gpu_servers) -> dict[str, dict]:
+    """The tiny ``m3`` checkpoint served by sgl_atom's M3 class at bf16 and fp8 KV (fp8 index
+    keys), side by side: teacher-forced log-probs of the CPU e2e's prompts, 24 greedy tokens
+    through the captured decode graphs, the server log."""
+    from test_m3_serving import ARGS, DECODE_TOKENS, ENV, FP8_TOKENS, PROMPT_TOKENS
     from transformers import AutoTokenizer
-
-    from m3_reference import M3Reference
 
     model = tiny.build(cache_dir() / "tiny" / "m3", "m3")
     tok = AutoTokenizer.from_pretrained(model)
     text = " ".join(word_prompts(40, seed=3, min_words=20, max_words=40))
     prompt = tok(text)["input_ids"][:PROMPT_TOKENS]
-    srv = gpu_servers.start(model, [*ARGS, "--max-total-tokens", "8192"], env=ENV, name="m3")
-    try:
-        got = torch.tensor(teacher_forced_logprobs(srv, [prompt])[0], dtype=torch.float64)
-        greedy_from_ids(srv, [prompt], 24)
-        log = srv.log_text()
-    finally:
-        srv.stop()
-    err = (got - M3Reference.load(model).logprobs(torch.tensor(prompt))).abs()
+    # decode lines every 4 steps: SGLang's default (40) logs none in 24 tokens
+    args = [*ARGS, "--max-total-tokens", "8192", "--decode-log-interval", "4"]
+    jobs = {
+        "m3-bf16": (model, args, ENV),
+        "m3-fp8": (model, [*args, "--kv-cache-dtype", "fp8_e4m3"], ENV),
+    }
+    servers = gpu_servers.start_many(jobs, timeout=600)
+    out = {}
+    for name, ids in (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS])):
+        srv = servers[name]
+        logprobs = teacher_forced_logprobs(srv, [ids])[0]
+        greedy_from_ids(srv, [ids], DECODE_TOKENS)
+        out[name] = {"logprobs": logprobs, "prompt": ids, "log": srv.log_text()}
+    gpu_servers.stop_all()
+    out["model"] = model
+    return out
+
+
+def _m3_err(m3_gpu, name: str):
+    import torch
+
+    from m3_reference import M3Reference
+
+    run = m3_gpu[name]
+    ref = M3Reference.load(m3_gpu["model"]).logprobs(torch.tensor(run["prompt"]))
+    return (torch.tensor(run["logprobs"], dtype=torch.float64) - ref).abs()
+
+
+def _m3_served_sparse(log: str) -> None:
+    from test_m3_serving import SKIP_LINE
+
+    assert any("cuda graph: True" in line for line in _decode_lines(log)), "no graph replay"
+    assert "MiniMaxHybridAttnBackend wrapper is not used" in log
+    assert "SGLang's index-key pools are not allocated" in log
+    counts = SKIP_LINE.findall(log)
+    assert counts, "the sparse path logged no block counts"
+    attended, visible, skipped = map(int, counts[-1])
+    assert skipped > 0 and attended + skipped == visible
+
+
+def test_m3_tiny_matches_float64_reference(m3_gpu, report):
+    """bf16 KV: within the CPU e2e's bounds of the float64 reference forward (sparse layers
+    skip blocks; decode through the captured graphs)."""
+    from test_m3_serving import BULK_FRACTION, TOL_BULK, TOL_MAX
+
+    err = _m3_err(m3_gpu, "m3-bf16")
     bulk = (err <= TOL_BULK).double().mean().item()
     report(
         f"GPU m3 bf16 vs float64 reference: max |dlogp| {err.max():.4f}, within {TOL_BULK}: "
         f"{bulk:.1%}"
     )
-    assert any("cuda graph: True" in line for line in _decode_lines(log))
+    _m3_served_sparse(m3_gpu["m3-bf16"]["log"])
     assert bulk >= BULK_FRACTION and err.max() <= TOL_MAX
+
+
+def test_m3_tiny_fp8_kv_and_index_keys(m3_gpu, report):
+    """fp8 KV and fp8 index keys: within the CPU e2e's fp8 bounds of the float64 reference and
+    of the bf16 server."""
+    import torch
+    from test_m3_serving import (
+        FP8_BULK_FRACTION,
+        FP8_TOL_BULK,
+        FP8_TOL_MAX,
+        FP8_TOL_MEAN,
+        FP8_VS_BF16_MAX,
+    )
+
+    err = _m3_err(m3_gpu, "m3-fp8")
+    fp8 = torch.tensor(m3_gpu["m3-fp8"]["logprobs"], dtype=torch.float64)
+    bf16 = torch.tensor(m3_gpu["m3-bf16"]["logprobs"][: len(fp8)], dtype=torch.float64)
+    vs_bf16 = (fp8 - bf16).abs()
+    bulk = (err <= FP8_TOL_BULK).double().mean().item()
+    report(
+        f"GPU m3 fp8 KV vs float64 reference: max |dlogp| {err.max():.4f}, mean "
+        f"{err.mean():.4f}, within {FP8_TOL_BULK}: {bulk:.1%}; vs bf16 server max "
+        f"{vs_bf16.max():.4f}"
+    )
+    log = m3_gpu["m3-fp8"]["log"]
+    _m3_served_sparse(log)
+    assert re.search(r"sparse index cache: .* float8_e4m3fn", log), "index keys are not fp8"
+    assert err.mean() <= FP8_TOL_MEAN and bulk >= FP8_BULK_FRACTION
+    assert err.max() <= FP8_TOL_MAX and vs_bf16.max() <= FP8_VS_BF16_MAX
