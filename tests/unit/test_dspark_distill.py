@@ -72,14 +72,16 @@ def test_llama_target_taps_and_cached_greedy(ckpts):
     """Taps are the decoder layers' outputs (HF's hidden states below the last layer, the last
     one before the final norm), and the KV-cached greedy, batched by prompt length, equals argmax
     decoding recomputed over the whole sequence."""
-    hf = distill.load_target(ckpts[0])  # transformers' own tokenizer and hidden states
+    from transformers import AutoTokenizer
+
     target = LlamaTarget.load(ckpts[0])
     prompts = distill.held_out_word_prompts(3) + distill.held_out_prompts(3)
     toks = target.encode_batch(prompts)
-    assert toks == [hf.encode(p) for p in prompts]
+    hf_tokenizer = AutoTokenizer.from_pretrained(ckpts[0])
+    assert toks == [hf_tokenizer(p)["input_ids"] for p in prompts]
     ids, h, last = torch.tensor([toks[0]]), target.hidden, target.num_layers - 1
     logits, taps = target.forward(ids, (last, *range(last)))  # in the order asked
-    out = hf.model(ids, output_hidden_states=True)
+    out = target.model(ids, output_hidden_states=True)  # transformers' own hidden states
     for i in range(last):
         torch.testing.assert_close(taps[..., (i + 1) * h : (i + 2) * h], out.hidden_states[i + 1])
     raw = taps[..., :h]
@@ -135,9 +137,9 @@ def test_batched_anchor_forward_matches_the_reference(chain):
 
 @pytest.mark.parametrize("shift", [0, -1], ids=["taps", "taps-one-early"])
 def test_batched_measurement_matches_the_lossless_loop(chain, shift):
-    # evaluate runs the transformers target verifying the draft's blocks step by step and raises
-    # when the output differs from plain greedy decoding; it taps as a server would, so below
-    # the last layer: the shifted case reads [0, 1] (4.61 tokens/forward there, 5.0 unshifted)
+    # evaluate runs the target verifying the draft's blocks step by step and raises when the
+    # output differs from plain greedy decoding; it taps as a server would, so below the last
+    # layer: the shifted case reads [0, 1] (4.61 tokens/forward there, 5.0 unshifted)
     prompts = distill.held_out_word_prompts(4)
     loop = distill.evaluate(CHAIN_TARGET, CHAIN_DRAFT, prompts, 4, 24, tap_shift=shift)
     target, cfg, w, _ = chain

@@ -22,7 +22,7 @@ embedding and LM head stay frozen. The forward is the reference one
 (:mod:`sgl_atom.speculative.dspark.reference`), batched.
 
 Measurement, on prompts disjoint from training: :func:`evaluate` runs the step-by-step
-speculative loop (draft proposes k tokens, the transformers target verifies them greedily),
+speculative loop (draft proposes k tokens, the target verifies them greedily),
 checks that its output equals plain greedy decoding, and reports tokens per forward;
 :func:`dspark_training.anchors.simulate_speculative` gives the same counters for hundreds
 of prompts at once (used during training and for the spread). ``tap_shift=-1`` reads the taps
@@ -101,27 +101,6 @@ def training_prompts(n: int, seed: int, word_frac: float) -> list[str]:
 # ---------------------------------------------------------------- checkpoints
 
 
-@dataclass
-class Target:
-    model: torch.nn.Module
-    tokenizer: object
-    embed: torch.Tensor  # [vocab, hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
-
-
-def load_target(target_dir: Path) -> Target:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    model.requires_grad_(False)
-    embed = model.get_input_embeddings().weight.detach()
-    head = model.get_output_embeddings().weight.detach()
-    return Target(model, AutoTokenizer.from_pretrained(target_dir), embed, head)
-
-
 def load_draft(draft_dir: Path) -> tuple[DSparkDraftConfig, dict[str, torch.Tensor]]:
     """The draft's config and float32 weights, checked against each other."""
     from safetensors.torch import load_file
@@ -148,32 +127,7 @@ def save_draft(out: Path, draft_dir: Path, weights: dict, info: dict) -> Path:
     return out
 
 
-# ---------------------------------------------------------------- target passes
-
-
-@torch.no_grad()
-def target_pass(target: Target, ids: list[int], tap_ids: tuple[int, ...]):
-    """One full forward: (greedy next token per position [L], taps [L, taps * hidden])."""
-    out = target.model(torch.tensor([ids]), output_hidden_states=True)
-    taps = ref.taps_from_hidden_states(out.hidden_states, tap_ids)[0]
-    return out.logits[0].argmax(dim=-1), taps
-
-
-@torch.no_grad()
-def greedy_batch(target: Target, prompts: torch.Tensor, max_new: int) -> torch.Tensor:
-    """Greedy continuations [batch, max_new] of equal-length ``prompts`` [batch, P], KV-cached,
-    with no stop token."""
-    out = target.model(prompts, use_cache=True)
-    new = [out.logits[:, -1].argmax(dim=-1)]
-    while len(new) < max_new:
-        out = target.model(new[-1][:, None], past_key_values=out.past_key_values)
-        new.append(out.logits[:, -1].argmax(dim=-1))
-    return torch.stack(new, dim=1)
-
-
-def plain_greedy(target: Target, prompt: list[int], max_new: int) -> list[int]:
-    """The target's greedy continuation of one prompt."""
-    return greedy_batch(target, torch.tensor([prompt]), max_new)[0].tolist()
+# ---------------------------------------------------------------- draft init
 
 
 _LAYER_TENSORS = (
@@ -396,8 +350,14 @@ def measure(
 # ---------------------------------------------------------------- speculative evaluation
 
 
+def target_pass(target: TorchTarget, ids: list[int], tap_ids: tuple[int, ...]):
+    """One full forward: (greedy next token per position [L], taps [L, taps * hidden])."""
+    logits, taps = target.forward(torch.tensor([ids], device=target.device), tap_ids)
+    return logits[0].argmax(dim=-1), taps[0]
+
+
 def speculative_greedy(
-    target: Target,
+    target: TorchTarget,
     cfg: DSparkDraftConfig,
     w: dict,
     prompt: list[int],
@@ -448,20 +408,27 @@ def evaluate(
     ``tap_shift`` moves every tap layer id (-1 reads each tap one target layer early); with
     ``check_lossless`` the speculative output must equal the target's plain greedy output.
     """
-    target = load_target(Path(target_dir))
+    target = load_target_model(target_dir)
     cfg, w = load_draft(Path(draft_dir))
     if not 1 <= k <= cfg.block_size:
         raise ValueError(f"k={k} must lie in [1, the draft's block_size={cfg.block_size}]")
     tap_ids = tuple(i + tap_shift for i in cfg.target_layer_ids)
-    if min(tap_ids) < 0:
-        raise ValueError(f"tap_shift={tap_shift} moves tap ids {cfg.target_layer_ids} below 0")
+    if min(tap_ids) < 0 or max(tap_ids) >= target.num_layers - 1:  # as a server captures
+        raise ValueError(
+            f"tap_shift={tap_shift} moves tap ids {list(cfg.target_layer_ids)} to "
+            f"{list(tap_ids)}; they must lie in [0, {target.num_layers - 1}) (a server does "
+            "not capture the last layer's output)"
+        )
     stats = SpecStats(block_size=k)
     for text in prompts:
         prompt = target.encode(text)
         out = speculative_greedy(
             target, cfg, w, prompt, k=k, max_new=max_new, tap_ids=tap_ids, stats=stats
         )
-        if check_lossless and out != plain_greedy(target, prompt, max_new):
+        if not check_lossless:
+            continue
+        plain = target.greedy(torch.tensor([prompt], device=target.device), max_new)
+        if out != plain[0].tolist():
             raise AssertionError(f"speculative output differs from greedy for prompt {text!r}")
     return {
         "prompts": len(prompts),
@@ -557,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-reference-eval",
         action="store_true",
-        help="skip the step-by-step (transformers) evaluation; run --eval-only later",
+        help="skip the step-by-step evaluation; run --eval-only later",
     )
     ap.add_argument(
         "--eval-only",
