@@ -4,7 +4,9 @@ the atom backend at bf16 and fp8 KV, side by side in one run on one GPU.
     python benchmarks/bench_server.py --out benchmarks/results            # full suite
     python benchmarks/bench_server.py --out benchmarks/results --quick    # one 10-minute call
     python benchmarks/bench_server.py --out benchmarks/results --spec --output 128  # DSpark rows
+    python benchmarks/bench_server.py --out benchmarks/results --m3       # M3, sparse vs dense
     python benchmarks/bench_server.py --out /tmp/smoke --cpu-smoke        # the spec path on CPU
+    python benchmarks/bench_server.py --out /tmp/smoke --cpu-smoke --m3   # the M3 path on CPU
 
 Each (model, backend) gets its own server (`--load-format dummy`, `--skip-tokenizer-init`,
 CUDA graphs on, radix cache off), started and stopped by PID one after another, so the card runs
@@ -24,6 +26,12 @@ draft of real shape under `--atom-dspark-forced-accept N` (rows with "spec": "ds
 plain decode step of the same run). Their table is the second one in server.md. `--cpu-smoke`
 runs that suite on CPU (SGLang's CPU engine through sgl_atom.launch_server, kernels' torch
 references) on a tiny shape: it checks the code path, its figures mean nothing.
+
+`--m3` measures sgl_atom's MiniMax-M3 class instead (`server_m3.py`): its sparse layers, then
+the same model all dense, at 32K/64K/128K context and batch 1 and 16 (rows with "sparse":
+"sparse" / "dense"); a 1K workload per batch gives the attention share of each step. Their
+table is the third one in server.md, their plot server_m3.png. With `--cpu-smoke`, on the tiny
+m3 shape on CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server_dspark as dspark  # noqa: E402
+import server_m3 as m3  # noqa: E402
 
 from sgl_atom.testing.server import Server  # noqa: E402
 
@@ -216,13 +225,13 @@ def log_decode_rate(log: str, batch: int) -> tuple[float, int]:
     return rates[len(rates) // 2], len(rates)
 
 
-def timed_decode(srv: Server, model: str, batch: int, prompt: int, output: int, warm=False):
+def timed_decode(srv: Server, vocab: int, batch: int, prompt: int, output: int, warm=False):
     """(TTFT s, the server log written while ``output`` tokens decoded, client tokens/s).
 
     ``warm``: a short untimed run of the same batch first. The DSpark draft runs eagerly, so
     its Triton kernels compile at the first step of each new batch shape (a plain decode runs
     in CUDA graphs captured at start-up); without it the client figure holds those compiles."""
-    ids = random_prompts(batch, prompt, MODELS[model]["vocab_size"], seed=batch * 100003 + prompt)
+    ids = random_prompts(batch, prompt, vocab, seed=batch * 100003 + prompt)
     if warm:
         generate(srv, ids, 9)
     ttft = generate(srv, ids, 1)
@@ -233,7 +242,7 @@ def timed_decode(srv: Server, model: str, batch: int, prompt: int, output: int, 
 
 
 def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, extra=None) -> Row:
-    ttft, log, client = timed_decode(srv, model, batch, prompt, output)
+    ttft, log, client = timed_decode(srv, MODELS[model]["vocab_size"], batch, prompt, output)
     rate, n = log_decode_rate(log, batch)
     return Row(
         model,
@@ -254,9 +263,8 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, e
 
 def run_spec_workload(srv, plain: Row, block: int, forced: int, draft_kv: str) -> Row:
     """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s."""
-    ttft, log, client = timed_decode(
-        srv, plain.model, plain.batch, plain.prompt, plain.output, warm=True
-    )
+    vocab = MODELS[plain.model]["vocab_size"]
+    ttft, log, client = timed_decode(srv, vocab, plain.batch, plain.prompt, plain.output, warm=True)
     rate, accept, n = dspark.spec_log_rate(log, plain.batch)
     rate, accept = rate or client, accept or forced + 1
     if abs(accept - (forced + 1)) > 0.05:
@@ -387,6 +395,38 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
     return rows
 
 
+def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]:
+    """sgl_atom's M3 class (``server_m3``), its sparse layers then the same model all dense,
+    one server each at ``args.m3_kv`` KV, every workload plus a 1K one per batch."""
+    workloads = m3.with_base(
+        [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+    )
+    name = "m3-tiny" if args.cpu_smoke else "m3-shape"
+    env = {**m3.ENV, **(CPU_ENV if args.cpu_smoke else {})}
+    backend = ["--attention-backend", "atom", "--page-size", "16"]
+    if args.m3_kv == "fp8":
+        backend += ["--kv-cache-dtype", "fp8_e4m3"]
+    rows: list[Row] = []
+    for kind in ("sparse", "dense"):
+        path = m3.write_m3(root, args.m3_layers, kind == "dense", tiny=args.cpu_smoke)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        srv_args = server_args(backend, workloads, args.output, args.cpu_smoke, 4)
+        label = f"{name}_{kind}-{args.m3_kv}"
+        with started(path, srv_args, label, env, args.logs, 256) as srv:
+            for batch, prompt in workloads:
+                ttft, log, client = timed_decode(srv, vocab, batch, prompt, args.output)
+                rate, n = log_decode_rate(log, batch)
+                rows.append(
+                    Row(name, "atom", args.m3_kv, batch, prompt, args.output,
+                        decode_tok_s=round(rate or client, 1), ttft_s=round(ttft, 3),
+                        byte_limit_tok_s=0.0, run=run_id, decode_tok_s_client=round(client, 1),
+                        log_samples=n, extra={"sparse": kind, "layers": args.m3_layers})
+                )  # fmt: skip
+                _print(rows[-1], f"{kind} {args.m3_kv}")
+        save(rows)
+    return rows
+
+
 def merge(path: Path, header: dict, rows: list[Row]) -> dict:
     """The results file with this run's rows in place of the same configurations' old ones."""
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
@@ -511,18 +551,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="--spec on CPU, tiny shape, 2x64, 8 new tokens: the code path, not figures",
     )
+    ap.add_argument(
+        "--m3",
+        action="store_true",
+        help=f"sgl_atom's M3 class at MiniMax's shape, sparse vs all dense (workloads "
+        f"{m3.DEFAULT_WORKLOADS}, plus 1K per batch)",
+    )
+    ap.add_argument("--m3-layers", type=int, default=m3.DEFAULT_LAYERS, help="M3 layers")
+    ap.add_argument("--m3-kv", choices=["bf16", "fp8"], default="bf16", help="M3 KV dtype")
     ap.add_argument("--logs", default="", help="folder for each server's full log")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.output = args.models or "llama3-8b", 128
     if args.cpu_smoke:
-        args.spec, args.models, args.output = True, "tiny", 8
-        args.workloads = args.workloads or "2x64"
+        args.spec, args.models, args.output = not args.m3, "tiny", 8
+        args.workloads = args.workloads or ("2x1536" if args.m3 else "2x64")
+        args.m3_layers = 4 if args.m3 else args.m3_layers
         if Path(args.out).resolve() == (HERE / "results").resolve():
             raise SystemExit("--cpu-smoke: give a scratch --out; CPU figures never go to results/")
     args.models = args.models or ("llama3-8b" if args.spec else ",".join(GPU_MODELS))
     default_loads = (
-        dspark.DEFAULT_WORKLOADS if args.spec else ",".join(f"{b}x{p}" for b, p in WORKLOADS)
+        m3.DEFAULT_WORKLOADS
+        if args.m3
+        else dspark.DEFAULT_WORKLOADS
+        if args.spec
+        else ",".join(f"{b}x{p}" for b, p in WORKLOADS)
     )
     args.workloads = args.workloads or default_loads
     return args
@@ -536,6 +589,8 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.m3:
+            return bench_m3(args, run_id, root, save)
         for model in args.models.split(","):
             if args.spec:
                 kvs = args.draft_kv.split(",")
@@ -564,6 +619,11 @@ def write_results(out: Path, header: dict, rows: list[Row]) -> str:
         md += "\n\n" if md else ""
         md += "ATOM_DSPARK under forced acceptance, beside the plain atom bf16 decode:\n\n"
         md += dspark.spec_table(data["rows"])
+    if any(r.get("sparse") for r in data["rows"]):
+        md += "\n\n" if md else ""
+        md += "sgl_atom's M3 class at MiniMax's shape, sparse beside all dense:\n\n"
+        md += m3.m3_table(data["rows"])
+        m3.plot(data["rows"], out / "server_m3.png")
     gbps = header["copy_gbps"]
     (out / "server.md").write_text(
         f"# Server benchmark\n\n{header['machine']}, {header['date']}, copy {gbps:.0f} GB/s\n\n"

@@ -1,0 +1,82 @@
+"""The M3 rows of the server benchmark (benchmarks/server_m3.py): the checkpoint it writes is one
+sgl_atom's M3 class and the atom sparse kernels accept, and the derived figures (attention part
+of the step, sparse vs dense) follow from the measured tokens/s."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import server_m3 as m3  # noqa: E402
+
+from sgl_atom.attention.sparse import SparseConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_written_checkpoint_is_servable_at_the_m3_shape(tmp_path, dense):
+    path = m3.write_m3(tmp_path, 6, dense)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["MiniMaxM3SparseForCausalLM"]
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        3072,
+        48,
+        8,
+    )
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (256, 8)
+    assert cfg["moe_layer_freq"] == [1] * 6 and cfg["num_hidden_layers"] == 6
+    hf = SimpleNamespace(**cfg)
+    sparse = SparseConfig.from_hf(hf, cfg["num_key_value_heads"], cfg["head_dim"])
+    want = () if dense else tuple(range(6))
+    assert sparse.sparse_layer_ids == want
+    assert sparse.topk_blocks == 16 and sparse.index_dim == 128
+    # the M3 class's own refusal (index value must be off on every sparse layer) passes
+    from sgl_atom.models.minimax_m3 import MiniMaxM3SparseForCausalLM
+
+    MiniMaxM3SparseForCausalLM._check_sparse(hf)
+
+
+def _row(run, kind, batch, prompt, tok_s):
+    return dict(
+        model="m3-shape", kv="bf16", run=run, sparse=kind, batch=batch, prompt=prompt,
+        decode_tok_s=tok_s, ttft_s=1.0,
+    )  # fmt: skip
+
+
+def test_derived_attention_share_and_ratios_follow_the_step_times():
+    rng = random.Random()
+    b, long = 16, 131072
+    # step times (s): the short-context step is the non-attention cost of each model
+    base_s, base_d = rng.uniform(0.01, 0.02), rng.uniform(0.01, 0.02)
+    attn_s, attn_d = rng.uniform(0.001, 0.005), rng.uniform(0.05, 0.2)
+    rows = [
+        _row("r1", "sparse", b, m3.BASE_PROMPT, b / base_s),
+        _row("r1", "sparse", b, long, b / (base_s + attn_s)),
+        _row("r1", "dense", b, m3.BASE_PROMPT, b / base_d),
+        _row("r1", "dense", b, long, b / (base_d + attn_d)),
+        # another run's dense row of the same workload is not compared with r1's sparse one
+        _row("r0", "dense", b, long, 1.0),
+    ]
+    d = m3.derive(rows)
+    sparse = d[("r1", "sparse", b, long)]
+    assert sparse["attn_ms"] == pytest.approx(attn_s * 1e3)
+    assert sparse["attn_share"] == pytest.approx(attn_s / (base_s + attn_s))
+    assert sparse["vs_dense"] == pytest.approx((base_d + attn_d) / (base_s + attn_s))
+    assert sparse["attn_vs_dense"] == pytest.approx(attn_d / attn_s)
+    assert d[("r1", "dense", b, long)]["attn_share"] == pytest.approx(attn_d / (base_d + attn_d))
+    assert "vs_dense" not in d[("r1", "dense", b, long)]
+    # the baseline itself: compared with the dense model, no attention part of its own
+    assert d[("r1", "sparse", b, m3.BASE_PROMPT)] == {"vs_dense": pytest.approx(base_d / base_s)}
+    assert d[("r0", "dense", b, long)] == {}  # no baseline in its run
+    table = m3.m3_table(rows)
+    assert f"{attn_d / attn_s:.1f}" in table and "16x131072" in table
+
+
+def test_every_batch_gets_its_short_baseline_first():
+    got = m3.with_base([(16, 131072), (1, 32768), (16, 32768)])
+    assert got == [(1, m3.BASE_PROMPT), (1, 32768), (16, m3.BASE_PROMPT), (16, 32768), (16, 131072)]
