@@ -200,17 +200,6 @@ def _probe(pair: Pair, timeout: float = 90) -> float:
         time.sleep(0.5)
 
 
-@pytest.mark.xfail(
-    reason=(
-        "issue 20: not yet shown reliable in CI. One fresh-clone CI run failed it: one /health "
-        "that timed out under load took the only prefill out of the router (failure threshold "
-        "1, now 3), and the requests in flight at the decode kill failed after 58 s through the "
-        "router (bound 10 s): the prefill's writer thread waited the 60 s transfer timeout on a "
-        "write to the killed decode (such a write is now abandoned once its room fails). Passed "
-        "in every run since (every error within 9.1 s)"
-    ),
-    strict=False,
-)
 def test_soak_with_a_prefill_kill_and_a_decode_kill(pair: Pair, servers: ServerPool, report):
     t0 = time.time()
     soak = Soak(pair)
