@@ -37,6 +37,7 @@ m3 shape on CPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import random
@@ -608,6 +609,13 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
     return rows
 
 
+def _plot(fn, rows: list[dict], path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"[bench_server] matplotlib is not installed here: no {path.name}", flush=True)
+        return
+    fn(rows, path)
+
+
 def write_results(out: Path, header: dict, rows: list[Row]) -> str:
     """server.json (merged with earlier runs), server.md (both tables), server.png; the md."""
     out.mkdir(parents=True, exist_ok=True)
@@ -623,14 +631,14 @@ def write_results(out: Path, header: dict, rows: list[Row]) -> str:
         md += "\n\n" if md else ""
         md += "sgl_atom's M3 class at MiniMax's shape, sparse beside all dense:\n\n"
         md += m3.m3_table(data["rows"])
-        m3.plot(data["rows"], out / "server_m3.png")
+        _plot(m3.plot, data["rows"], out / "server_m3.png")
     gbps = header["copy_gbps"]
     (out / "server.md").write_text(
         f"# Server benchmark\n\n{header['machine']}, {header['date']}, copy {gbps:.0f} GB/s\n\n"
         f"`{header['command']}`\n\n{md}\n"
     )
     if plain:
-        plot(data["rows"], out / "server.png")
+        _plot(plot, data["rows"], out / "server.png")
     return md
 
 
