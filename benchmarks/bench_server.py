@@ -7,6 +7,7 @@ the atom backend at bf16 and fp8 KV, side by side in one run on one GPU.
     python benchmarks/bench_server.py --out benchmarks/results --m3       # M3, sparse vs dense
     python benchmarks/bench_server.py --out /tmp/smoke --cpu-smoke        # the spec path on CPU
     python benchmarks/bench_server.py --out /tmp/smoke --cpu-smoke --m3   # the M3 path on CPU
+    python benchmarks/bench_server.py --out benchmarks/results --pd       # P/D pair vs unified
 
 Each (model, backend) gets its own server (`--load-format dummy`, `--skip-tokenizer-init`,
 CUDA graphs on, radix cache off), started and stopped by PID one after another, so the card runs
@@ -32,6 +33,11 @@ the same model all dense, at 32K/64K/128K context and batch 1 and 16 (rows with 
 "sparse" / "dense"); a 1K workload per batch gives the attention share of each step. Their
 table is the third one in server.md, their plot server_m3.png. With `--cpu-smoke`, on the tiny
 m3 shape on CPU.
+
+`--pd` measures a P/D pair on one GPU against a unified server (`server_pd.py`): TTFT at batch
+1 per prompt length and the KV each request moves (bytes, NIXL descriptors, write time, GB/s,
+from the prefill's `SGL_ATOM_PD_TRANSFER_LOG` lines); rows with "pd": "unified" / "pair", their
+table in server.md, their plot server_pd.png.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server_dspark as dspark  # noqa: E402
 import server_m3 as m3  # noqa: E402
+import server_pd as pd  # noqa: E402
 
 from sgl_atom.testing.server import Server  # noqa: E402
 
@@ -428,6 +435,93 @@ def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     return rows
 
 
+def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]:
+    """A unified atom bf16 server, then a prefill + decode pair of the same model on the same
+    card (``server_pd``): TTFT at batch 1 per prompt length, and the pair's KV transfer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sgl_atom.testing.pd import PDRequest
+    from sgl_atom.testing.server import free_port
+
+    model = args.models.split(",")[0]
+    path, vocab = write_model(model, root), MODELS[model]["vocab_size"]
+    loads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+    if any(b != 1 for b, _ in loads):
+        raise SystemExit("--pd measures batch 1 (TTFT of one request): give 1xN workloads")
+    cpu, env, base = args.cpu_smoke, CPU_ENV if args.cpu_smoke else {}, BACKENDS["atom-bf16"][2]
+    reps = 2 if cpu else pd.REPS
+
+    def ids(prompt: int, rep: int) -> list[int]:
+        return random_prompts(1, prompt, vocab, seed=prompt * 131 + rep)[0]
+
+    def row(kind: str, prompt: int, ttfts: list[float], moved: list) -> Row:
+        figures = pd.summarize(ttfts, moved)
+        return Row(model, "atom", "bf16", 1, prompt, 1, decode_tok_s=0.0,
+                   ttft_s=round(figures.pop("ttft_s"), 4), byte_limit_tok_s=0.0, run=run_id,
+                   extra={"pd": kind, **figures})  # fmt: skip
+
+    rows: list[Row] = []
+    with started(path, server_args(base, loads, 1, cpu), f"{model}_pd-unified", env, args.logs,
+                 256) as srv:  # fmt: skip
+        for _, prompt in loads:
+            ttfts = [generate(srv, [ids(prompt, r)], 1) for r in range(reps)]
+            rows.append(row("unified", prompt, ttfts, []))
+            print(
+                f"[bench_server] {model} unified 1x{prompt}: TTFT {rows[-1].ttft_s} s", flush=True
+            )
+    save(rows)
+
+    bp = free_port()
+    share = [] if cpu else ["--mem-fraction-static", pd.SHARE]
+    pair_env = {**env, **pd.PAIR_ENV}
+    roles = {
+        "prefill": [*base, *pd.prefill_args(bp), *share, "--nccl-port", str(free_port())],
+        "decode": [*base, *pd.decode_args(cpu), *share, "--nccl-port", str(free_port())],
+    }
+    servers = {
+        role: Server(path, server_args(extra, loads, 1, cpu), env=pair_env, name=f"pd-{role}")
+        for role, extra in roles.items()
+    }
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: s.start(timeout=900), servers.values()))
+        prefill, decode = servers["prefill"], servers["decode"]
+        room = 1000
+
+        def ask(tokens: list[int], new: int) -> float:
+            nonlocal room
+            room += 1
+            params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
+            req = PDRequest(prefill, decode, {"input_ids": tokens, "sampling_params": params},
+                            bp, room, timeout=1800)  # fmt: skip
+            out = req.join(timeout=1800)
+            if not isinstance(out.get("d"), dict) or len(out["d"]["output_ids"]) != new:
+                raise RuntimeError(f"P/D request {room} was not served: {out}")
+            return req.seconds["d"]
+
+        ask(ids(256, 99), 8)  # warm-up: handshake, first transfer
+        for _, prompt in loads:
+            first = room + 1
+            ttfts = [ask(ids(prompt, r), 1) for r in range(reps)]
+            seen = pd.transfers(prefill.log_text())
+            moved = [seen[r] for r in range(first, room + 1) if r in seen]
+            rows.append(row("pair", prompt, ttfts, moved))
+            extra = rows[-1].extra
+            print(
+                f"[bench_server] {model} P/D pair 1x{prompt}: TTFT {rows[-1].ttft_s} s, "
+                f"{extra.get('kv_bytes', 0) / 2**20:.1f} MiB in {extra.get('transfer_ms')} ms "
+                f"({extra.get('transfer_gbps')} GB/s), {len(moved)}/{reps} transfer lines",
+                flush=True,
+            )
+    finally:
+        for role, srv in servers.items():
+            srv.stop()
+            if args.logs:
+                Path(args.logs, f"server_{model}_pd-{role}.log").write_text(srv.log_text())
+    save(rows)
+    return rows
+
+
 def merge(path: Path, header: dict, rows: list[Row]) -> dict:
     """The results file with this run's rows in place of the same configurations' old ones."""
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
@@ -558,6 +652,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"sgl_atom's M3 class at MiniMax's shape, sparse vs all dense (workloads "
         f"{m3.DEFAULT_WORKLOADS}, plus 1K per batch)",
     )
+    ap.add_argument(
+        "--pd",
+        action="store_true",
+        help=f"a P/D pair on one GPU (atom transfer backend) vs a unified server: TTFT and KV "
+        f"transfer at batch 1 (workloads {pd.DEFAULT_WORKLOADS})",
+    )
     ap.add_argument("--m3-layers", type=int, default=m3.DEFAULT_LAYERS, help="M3 layers")
     ap.add_argument("--m3-kv", choices=["bf16", "fp8"], default="bf16", help="M3 KV dtype")
     ap.add_argument("--logs", default="", help="folder for each server's full log")
@@ -565,14 +665,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.models, args.output = args.models or "llama3-8b", 128
     if args.cpu_smoke:
-        args.spec, args.models, args.output = not args.m3, "tiny", 8
-        args.workloads = args.workloads or ("2x1536" if args.m3 else "2x64")
+        args.spec, args.models, args.output = not (args.m3 or args.pd), "tiny", 8
+        args.workloads = args.workloads or ("2x1536" if args.m3 else "1x256" if args.pd else "2x64")
         args.m3_layers = 4 if args.m3 else args.m3_layers
         if Path(args.out).resolve() == (HERE / "results").resolve():
             raise SystemExit("--cpu-smoke: give a scratch --out; CPU figures never go to results/")
     args.models = args.models or ("llama3-8b" if args.spec else ",".join(GPU_MODELS))
     default_loads = (
-        m3.DEFAULT_WORKLOADS
+        pd.DEFAULT_WORKLOADS
+        if args.pd
+        else m3.DEFAULT_WORKLOADS
         if args.m3
         else dspark.DEFAULT_WORKLOADS
         if args.spec
@@ -592,6 +694,8 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
         root = Path(tmp)
         if args.m3:
             return bench_m3(args, run_id, root, save)
+        if args.pd:
+            return bench_pd(args, run_id, root, save)
         for model in args.models.split(","):
             if args.spec:
                 kvs = args.draft_kv.split(",")
@@ -627,6 +731,11 @@ def write_results(out: Path, header: dict, rows: list[Row]) -> str:
         md += "\n\n" if md else ""
         md += "ATOM_DSPARK under forced acceptance, beside the plain atom bf16 decode:\n\n"
         md += dspark.spec_table(data["rows"])
+    if any(r.get("pd") for r in data["rows"]):
+        md += "\n\n" if md else ""
+        md += "P/D pair on one GPU (atom transfer backend) beside a unified server:\n\n"
+        md += pd.pd_table(data["rows"])
+        _plot(pd.plot, data["rows"], out / "server_pd.png")
     if any(r.get("sparse") for r in data["rows"]):
         md += "\n\n" if md else ""
         md += "sgl_atom's M3 class at MiniMax's shape, sparse beside all dense:\n\n"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-spec|tune-decode|nixl|pack
+#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|nixl|pack
 # Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
 # kernels, tune-decode, tune-kernels and ncu-decode need torch and Triton only: they run on part
 # 1 alone (the first call of the two-call routine).
@@ -59,6 +59,7 @@ case "$what" in
   bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
   bench-m3) python3 benchmarks/bench_server.py --m3 --output 64 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_m3.log" ;;
+  bench-pd) python3 benchmarks/bench_server.py --pd --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_pd.log" ;;
   bench-spec) python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log" ;;
   ncu-decode)
     for kv in bf16 fp8; do
@@ -76,5 +77,5 @@ case "$what" in
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-spec|tune-decode|nixl|pack [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|nixl|pack [args]"; exit 2 ;;
 esac

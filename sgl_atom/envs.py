@@ -106,6 +106,12 @@ SGL_ATOM_PD_WRITE_DELAY_MS = EnvVar(
     "atom P/D transfer backend, fault-injection tests only: the producer sleeps this many ms "
     "before each chunk's writes (0: off).",
 )
+SGL_ATOM_PD_TRANSFER_LOG = EnvVar(
+    "SGL_ATOM_PD_TRANSFER_LOG",
+    False,
+    "atom P/D transfer backend, prefill side: one log line per request when its KV has landed "
+    "(bytes written, NIXL descriptors, decode ranks, write time and rate).",
+)
 SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
     "SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS",
     1000,
@@ -140,6 +146,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_DSPARK_FAULT,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
+    SGL_ATOM_PD_TRANSFER_LOG,
     SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS,
     SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS,
     SGL_ATOM_REQUEST_CHECKS,

@@ -68,6 +68,28 @@ logger = get_logger("sgl_atom.disagg")
 BACKEND = "atom"
 
 
+@dataclass
+class TransferStats:
+    """What one request's KV writes moved: bytes, NIXL descriptors (after coalescing), and the
+    seconds from posting each chunk's writes to their landing."""
+
+    nbytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+
+    def add(self, handles: list[Any], seconds: float) -> None:
+        self.nbytes += sum(h.nbytes for h in handles)
+        self.descriptors += sum(h.spans for h in handles)
+        self.seconds += seconds
+
+    def describe(self, ranks: int) -> str:
+        rate = self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return (
+            f"{self.nbytes} KV bytes in {self.descriptors} descriptors to {ranks} decode "
+            f"rank(s), {self.seconds * 1e3:.2f} ms writing ({rate:.3g} GB/s)"
+        )
+
+
 class AtomTransferError(RuntimeError):
     """A room could not be moved; the message says which peer, region or buffer and why."""
 
@@ -318,6 +340,8 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         self.refused_targets: dict[str, tuple[str, int]] = {}  # agent -> its status endpoint
         self.is_last_stage = self.pp_rank == self.pp_size - 1
         self.queue = FastQueue()
+        self.log_transfers = envs.SGL_ATOM_PD_TRANSFER_LOG.get()
+        self.room_stats: dict[int, TransferStats] = {}  # writer thread only
         self._start_thread(self._producer_control_loop, "atom-pd-control")
         self._start_thread(self._producer_worker_loop, "atom-pd-worker")
         self.sender_rooms = set()
@@ -472,6 +496,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             if not infos:
                 continue
             if self.check_status(chunk.room) == KVPoll.Failed:  # aborted on either side
+                self.room_stats.pop(chunk.room, None)
                 self.conclude_failure(
                     bootstrap_room=chunk.room, failure_reason="room failed", targets=targets
                 )
@@ -480,11 +505,15 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 self._write_chunk(chunk, infos)
             except Exception as e:  # a failed room must never stop the writer thread
                 logger.error("atom P/D: room %d failed: %s", chunk.room, e, exc_info=True)
+                self.room_stats.pop(chunk.room, None)
                 self.conclude_failure(
                     bootstrap_room=chunk.room, failure_reason=f"atom P/D: {e}", targets=targets
                 )
                 continue
             if chunk.is_last_chunk:
+                stats = self.room_stats.pop(chunk.room, None)
+                if self.log_transfers and stats is not None:
+                    logger.info("atom P/D: room %d: %s", chunk.room, stats.describe(len(infos)))
                 self.conclude_transfer(
                     bootstrap_room=chunk.room, status=KVPoll.Success, targets=targets
                 )
@@ -509,12 +538,15 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                     f"{chunk.index_slice.start}:{chunk.index_slice.stop}, decode rank "
                     f"{req.consumer_rank} has {len(dst_pages)} there"
                 )
+            t0 = time.perf_counter()
             handles = self._post_kv(peer, src_pages, dst_pages)
             if chunk.is_last_chunk and self.is_last_stage and chunk.prefill_aux_index is not None:
                 handles += self._post_aux(peer, int(chunk.prefill_aux_index), req.aux_index)
             abandon = partial(self._room_failed, chunk.room)
             for h in handles:
                 self.engine.wait(h, timeout_s=timeout, abandon=abandon)
+            stats = self.room_stats.setdefault(chunk.room, TransferStats())
+            stats.add(handles, time.perf_counter() - t0)
 
     def _room_failed(self, room: int) -> str | None:
         """Why a write for ``room`` is no longer worth waiting for: the room failed (its

@@ -25,6 +25,7 @@ import requests
 from e2e_utils import word_prompts
 from test_disagg_serving import DECODE_ARGS, PD_ENV, prefill_args
 
+from sgl_atom.testing.pd import bootstrap_fields
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, ServerPool, free_port
 
@@ -123,13 +124,8 @@ def test_decode_fails_requests_of_a_stopped_prefill_and_recovers(pair: Pair, rep
     """SIGSTOP the prefill's process tree: a request the decode holds for it fails within
     seconds, naming the lost prefill; after SIGCONT the next request is served."""
     _serves(pair)  # the decode has shaken hands with the prefill: its rank is watched
-    payload = {
-        "text": PROMPTS[2],
-        "sampling_params": _params(),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": pair.bootstrap,
-        "bootstrap_room": 424242,
-    }
+    payload = {"text": PROMPTS[2], "sampling_params": _params()}
+    payload |= bootstrap_fields(pair.bootstrap, 424242)
     os.killpg(pair.prefill.proc.pid, signal.SIGSTOP)
     try:
         t0 = time.time()

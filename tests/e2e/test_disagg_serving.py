@@ -23,19 +23,18 @@ import ipaddress
 import os
 import re
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-import requests
 from e2e_utils import listening_sockets, word_prompts
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
+from sgl_atom.testing.pd import PDRequest
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port
 
@@ -127,8 +126,11 @@ def pd(servers, chain):
     nccl = {"prefill": free_port(), "decode": free_port()}  # torch's TCPStore listens there
     jobs = {
         "unified": (chain, FP8, SPEC_ENV),
-        "prefill": (chain, [*FP8, *prefill_args(bp), "--nccl-port", str(nccl["prefill"])],
-                    SPEC_ENV),
+        "prefill": (
+            chain,
+            [*FP8, *prefill_args(bp), "--nccl-port", str(nccl["prefill"])],
+            {**SPEC_ENV, "SGL_ATOM_PD_TRANSFER_LOG": "1"},
+        ),
         "decode": (chain, [*FP8, *DECODE_ARGS, "--nccl-port", str(nccl["decode"])], DECODE_ENV),
         "slow_prefill": (
             chain,
@@ -174,6 +176,11 @@ def expected(pd) -> list[dict]:
     return pd.unified.generate(PROMPTS, max_new_tokens=MAX_NEW)
 
 
+TRANSFER_LINE = re.compile(
+    r"room \d+: (\d+) KV bytes in (\d+) descriptors to (\d+) decode rank\(s\), ([\d.]+) ms"
+)
+
+
 def _params(max_new: int = MAX_NEW) -> dict:
     return {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
 
@@ -210,44 +217,15 @@ def _check_pair(label: str, got: list[dict], expected: list[dict], seconds: floa
     assert abs(tpf_pd - tpf_unified) <= 0.15 * tpf_unified + 0.1
 
 
-def _error_text(e: Exception) -> str:
-    body = e.response.text if isinstance(e, requests.HTTPError) else ""
-    return f"{e} {body}"
-
-
-def _direct_pd(prefill: Server, bootstrap: int, decode: Server, prompt: str, room: int) -> dict:
+def _direct_pd(prefill: Server, bootstrap: int, decode: Server, prompt: str, room: int):
     """What SGLang's PD router does, by hand: the same request to both, with bootstrap fields."""
-    payload = {
-        "text": prompt,
-        "sampling_params": _params(),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap,
-        "bootstrap_room": room,
-    }
-    out: dict = {}
-
-    def go(key: str, srv: Server) -> None:
-        try:
-            out[key] = srv.post("/generate", payload, timeout=120)
-        except Exception as e:  # the error is the result here
-            out[key] = _error_text(e)
-
-    threads = [threading.Thread(target=go, args=(k, s)) for k, s in (("p", prefill), ("d", decode))]
-    for t in threads:
-        t.start()
-    out["threads"] = threads
-    return out
-
-
-def _join(result: dict, timeout: float = 120) -> dict:
-    for t in result.pop("threads"):
-        t.join(timeout)
-    return result
+    payload = {"text": prompt, "sampling_params": _params()}
+    return PDRequest(prefill, decode, payload, bootstrap, room)
 
 
 def _pd_outs(prefill: Server, bootstrap: int, decode: Server, room0: int) -> list[dict]:
     pending = [_direct_pd(prefill, bootstrap, decode, p, room0 + i) for i, p in enumerate(PROMPTS)]
-    results = [_join(r)["d"] for r in pending]
+    results = [r.join()["d"] for r in pending]
     for r in results:
         assert isinstance(r, dict), r
     return results
@@ -271,10 +249,14 @@ def test_router_prefill_decode_matches_unified(pd, expected, report):
     # x (K, V, K scale, V scale)
     assert "16 regions (layers 0..3), 8 of them draft" in log, log[-3000:]
     assert re.search(r"accepted decode rank tp 0/1 .*whole", log)
+    # SGL_ATOM_PD_TRANSFER_LOG: one line per request, once its KV landed
+    moved = TRANSFER_LINE.findall(log)
+    assert len(moved) >= len(PROMPTS), log[-3000:]
+    assert all(int(b) > 0 and int(d) >= 1 and r == "1" for b, d, r, _ in moved), moved
 
 
 def test_mismatched_layout_is_refused_before_any_write(pd, expected):
-    res = _join(_direct_pd(pd.prefill, pd.prefill_bootstrap, pd.other_decode, "one two", 7001))
+    res = _direct_pd(pd.prefill, pd.prefill_bootstrap, pd.other_decode, "one two", 7001).join()
     err = res["d"]
     assert isinstance(err, str), f"a decode with another layout was served: {err}"
     assert "refused" in err and "nothing was written" in err, err
@@ -290,7 +272,7 @@ def test_mismatched_layout_is_refused_before_any_write(pd, expected):
 
 
 def test_draft_dtype_mismatch_is_refused(pd):
-    res = _join(_direct_pd(pd.prefill, pd.prefill_bootstrap, pd.bf16_decode, "one two", 7101))
+    res = _direct_pd(pd.prefill, pd.prefill_bootstrap, pd.bf16_decode, "one two", 7101).join()
     err = res["d"]
     assert isinstance(err, str), f"a decode with a bf16 draft pool was served: {err}"
     assert "refused" in err, err
@@ -305,7 +287,7 @@ def test_prefill_killed_mid_transfer_fails_clearly_and_decode_recovers(pd, expec
         time.sleep(0.2)
     os.killpg(pd.slow_prefill.proc.pid, signal.SIGKILL)
     pd.slow_prefill.proc.wait(timeout=30)
-    res = _join(pending)
+    res = pending.join()
     err = res["d"]
     assert isinstance(err, str), f"decode returned output with its prefill dead: {err}"
     assert "Lost connection with prefill instance" in err, err

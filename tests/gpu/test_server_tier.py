@@ -185,7 +185,7 @@ def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
     router binary is not carried to the device)."""
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not importable here: carry part 3 of the GPU bundle")
-    from test_disagg_serving import DECODE_ARGS, MAX_NEW, _direct_pd, _join, prefill_args
+    from test_disagg_serving import DECODE_ARGS, MAX_NEW, _direct_pd, prefill_args
 
     from sgl_atom.testing.server import free_port
 
@@ -204,7 +204,7 @@ def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
     try:
         t0 = time.time()
         pending = [_direct_pd(prefill, bp, decode, p, 9000 + i) for i, p in enumerate(SPEC_PROMPTS)]
-        got = [_join(r)["d"] for r in pending]
+        got = [r.join()["d"] for r in pending]
         seconds = time.time() - t0
         logs = prefill.log_text(), decode.log_text()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -395,3 +396,25 @@ def test_control_socket_drops_frames_over_the_wire_limit():
         for s in (big, small, pull):
             s.close(linger=0)
         ctx.term()
+
+
+def test_transfer_stats_sum_the_writes_of_every_chunk():
+    from sgl_atom.disagg.conn import TransferStats
+
+    rng = random.Random()
+    stats, total, descs, secs = TransferStats(), 0, 0, 0.0
+    for _ in range(rng.randint(1, 5)):  # chunks
+        handles = [
+            SimpleNamespace(nbytes=rng.randint(1, 1 << 30), spans=rng.randint(1, 64))
+            for _ in range(rng.randint(1, 4))
+        ]
+        dt = rng.uniform(1e-4, 0.1)
+        stats.add(handles, dt)
+        total += sum(h.nbytes for h in handles)
+        descs += sum(h.spans for h in handles)
+        secs += dt
+    line = stats.describe(2)
+    assert (stats.nbytes, stats.descriptors) == (total, descs)
+    assert stats.seconds == pytest.approx(secs)
+    assert line.startswith(f"{total} KV bytes in {descs} descriptors to 2 decode rank(s), ")
+    assert f"({total / secs / 1e9:.3g} GB/s)" in line

@@ -1,6 +1,7 @@
-"""The M3 rows of the server benchmark (benchmarks/server_m3.py): the checkpoint it writes is one
-sgl_atom's M3 class and the atom sparse kernels accept, and the derived figures (attention part
-of the step, sparse vs dense) follow from the measured tokens/s."""
+"""The server benchmark's M3 and P/D rows (benchmarks/server_m3.py, server_pd.py): the M3
+checkpoint it writes is one sgl_atom's M3 class and the atom sparse kernels accept, the derived
+figures (attention part of the step, sparse vs dense) follow from the measured tokens/s, and the
+P/D rows read the transfer lines the atom backend writes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import server_m3 as m3  # noqa: E402
+import server_pd as pd  # noqa: E402
 
 from sgl_atom.attention.sparse import SparseConfig  # noqa: E402
 
@@ -80,3 +82,27 @@ def test_derived_attention_share_and_ratios_follow_the_step_times():
 def test_every_batch_gets_its_short_baseline_first():
     got = m3.with_base([(16, 131072), (1, 32768), (16, 32768)])
     assert got == [(1, m3.BASE_PROMPT), (1, 32768), (16, m3.BASE_PROMPT), (16, 32768), (16, 131072)]
+
+
+def test_pd_rows_read_the_transfer_lines_the_backend_writes():
+    from types import SimpleNamespace
+
+    from sgl_atom.disagg.conn import TransferStats
+
+    rng = random.Random()
+    log, want = [], {}
+    for room in rng.sample(range(1, 1 << 62), 5):
+        stats = TransferStats()
+        handles = [SimpleNamespace(nbytes=rng.randint(1, 1 << 31), spans=rng.randint(1, 99))]
+        stats.add(handles, rng.uniform(1e-4, 0.5))
+        log.append(f"[12:00:00 sgl_atom] atom P/D: room {room}: {stats.describe(1)}")
+        log.append("[12:00:00] Prefill batch, #new-seq: 1")  # other lines are skipped
+        want[room] = (stats.nbytes, stats.descriptors, round(stats.seconds * 1e3, 2))
+    got = pd.transfers("\n".join(log))
+    assert got == want
+    moved = list(got.values())
+    figures = pd.summarize([3.0, 1.0, 2.0], moved)
+    nbytes = sorted(m[0] for m in moved)[2]
+    ms = sorted(m[2] for m in moved)[2]
+    assert figures["ttft_s"] == 2.0 and figures["kv_bytes"] == nbytes
+    assert figures["transfer_gbps"] == pytest.approx(nbytes / (ms * 1e-3) / 1e9, abs=0.01)
