@@ -440,7 +440,7 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     card (``server_pd``): TTFT at batch 1 per prompt length, and the pair's KV transfer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from sgl_atom.testing.pd import PDRequest
+    from sgl_atom.testing.pd import PDRequest, decode_args, prefill_args
     from sgl_atom.testing.server import free_port
 
     model = args.models.split(",")[0]
@@ -475,8 +475,8 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     share = [] if cpu else ["--mem-fraction-static", pd.SHARE]
     pair_env = {**env, **pd.PAIR_ENV}
     roles = {
-        "prefill": [*base, *pd.prefill_args(bp), *share, "--nccl-port", str(free_port())],
-        "decode": [*base, *pd.decode_args(cpu), *share, "--nccl-port", str(free_port())],
+        "prefill": [*base, *prefill_args(bp), *share, "--nccl-port", str(free_port())],
+        "decode": [*base, *decode_args(cpu), *share, "--nccl-port", str(free_port())],
     }
     servers = {
         role: Server(path, server_args(extra, loads, 1, cpu), env=pair_env, name=f"pd-{role}")

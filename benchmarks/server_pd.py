@@ -32,24 +32,6 @@ TRANSFER_LINE = re.compile(
 TARGET_TTFT, TARGET_GBPS_16K, TARGET_GBPS_1K = 1.15, 100.0, 30.0
 
 
-def prefill_args(bootstrap_port: int) -> list[str]:
-    return [
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-transfer-backend",
-        "atom",
-        "--disaggregation-bootstrap-port",
-        str(bootstrap_port),
-    ]
-
-
-def decode_args(cpu: bool) -> list[str]:
-    args = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "atom"]
-    if cpu:  # SGLang's default retraction backup is a host pool that needs CUDA
-        args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-    return args
-
-
 def transfers(log: str) -> dict[int, tuple[int, int, float]]:
     """room -> (KV bytes, descriptors, write ms) from the prefill's transfer lines."""
     return {

@@ -16,6 +16,27 @@ import requests
 from sgl_atom.testing.server import Server
 
 
+def prefill_args(bootstrap_port: int) -> list[str]:
+    """Server flags of a prefill server on the atom transfer backend."""
+    return [
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-transfer-backend",
+        "atom",
+        "--disaggregation-bootstrap-port",
+        str(bootstrap_port),
+    ]
+
+
+def decode_args(cpu: bool) -> list[str]:
+    """Server flags of a decode server on the atom transfer backend. On CPU the decode keeps
+    retracted KV in CPU tensors (SGLang's default host pool for it needs CUDA)."""
+    args = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "atom"]
+    if cpu:
+        args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    return args
+
+
 def bootstrap_fields(port: int, room: int, host: str = "127.0.0.1") -> dict[str, Any]:
     """The fields the router adds so the decode server finds the prefill's KV."""
     return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}

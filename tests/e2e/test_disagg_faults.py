@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import pytest
 import requests
 from e2e_utils import word_prompts
-from test_disagg_serving import DECODE_ARGS, PD_ENV, prefill_args
+from test_disagg_serving import DECODE_ARGS, PD_ENV
 
-from sgl_atom.testing.pd import bootstrap_fields
+from sgl_atom.testing.pd import bootstrap_fields, prefill_args
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, ServerPool, free_port
 

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 
 import pytest
 from e2e_utils import teacher_forced_logprobs, word_prompts
-from test_disagg_serving import DECODE_ARGS, PD_ENV, _tpf, prefill_args
+from test_disagg_serving import DECODE_ARGS, PD_ENV, _tpf
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_M3_CHAIN, tiny
+from sgl_atom.testing.pd import prefill_args
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port
 

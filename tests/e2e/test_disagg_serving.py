@@ -34,7 +34,7 @@ from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
-from sgl_atom.testing.pd import PDRequest
+from sgl_atom.testing.pd import PDRequest, decode_args, prefill_args
 from sgl_atom.testing.router import Router
 from sgl_atom.testing.server import Server, free_port
 
@@ -74,30 +74,9 @@ FP8 = [*ATOM, *SPEC, "--spec-decode-kv-cache-dtype", "fp8"]
 BF16 = [*ATOM, *SPEC, "--speculative-draft-kv-cache-dtype", "bf16"]
 
 
-def prefill_args(bootstrap_port: int) -> list[str]:
-    return [
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-transfer-backend",
-        "atom",
-        "--disaggregation-bootstrap-port",
-        str(bootstrap_port),
-    ]
-
-
-# On CPU the decode server keeps retracted KV in CPU tensors (its default host pool needs CUDA);
-# with SGLang's default 512 tokens reserved per running request, the tiny KV budget would admit
+# With SGLang's default 512 tokens reserved per running request, the tiny KV budget would admit
 # about 7 of the 16 prompts at a time.
-DECODE_ARGS = [
-    "--disaggregation-mode",
-    "decode",
-    "--disaggregation-transfer-backend",
-    "atom",
-    "--disaggregation-decode-retraction-backup",
-    "cpu_tensor",
-    "--num-reserved-decode-tokens",
-    "64",
-]
+DECODE_ARGS = [*decode_args(cpu=True), "--num-reserved-decode-tokens", "64"]
 
 
 @dataclass

@@ -185,8 +185,9 @@ def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
     router binary is not carried to the device)."""
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not importable here: carry part 3 of the GPU bundle")
-    from test_disagg_serving import DECODE_ARGS, MAX_NEW, _direct_pd, prefill_args
+    from test_disagg_serving import DECODE_ARGS, MAX_NEW, _direct_pd
 
+    from sgl_atom.testing.pd import prefill_args
     from sgl_atom.testing.server import free_port
 
     target, want = chain_baseline
