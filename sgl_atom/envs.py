@@ -94,6 +94,12 @@ SGL_ATOM_DSPARK_FAULT = EnvVar(
     "ATOM_DSPARK, fault-injection tests only: 'taps-early' taps each target layer one below the "
     "draft's; 'stale-context' writes no context K/V for decoded tokens (empty: off).",
 )
+SGL_ATOM_DSPARK_DRAFT_GRAPHS = EnvVar(
+    "SGL_ATOM_DSPARK_DRAFT_GRAPHS",
+    True,
+    "ATOM_DSPARK on CUDA: capture the draft's propose pass in CUDA graphs, one per decode batch "
+    "size SGLang captures (0: the draft runs eagerly; off with --disable-cuda-graph too).",
+)
 SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
     "SGL_ATOM_PD_TRANSFER_TIMEOUT",
     60,
@@ -144,6 +150,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_LOG_LEVEL,
     SGL_ATOM_CPU_KERNELS,
     SGL_ATOM_DSPARK_FAULT,
+    SGL_ATOM_DSPARK_DRAFT_GRAPHS,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
     SGL_ATOM_PD_TRANSFER_LOG,

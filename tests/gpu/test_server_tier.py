@@ -173,9 +173,14 @@ def test_dspark_lossless_on_gpu(gpu_servers, chain_baseline, draft_dtype):
     srv = gpu_servers.start(target, [*SPEC_ARGS, *spec], env=env, name=f"dspark-{draft_dtype}")
     try:
         got = [o["output_ids"] for o in srv.generate(SPEC_PROMPTS, max_new_tokens=32)]
+        log = srv.log_text()
     finally:
         srv.stop()
     assert got == want
+    # the draft's pass runs as replayed CUDA graphs (draft_graphs.py), the verify in SGLang's
+    assert "ATOM_DSPARK draft CUDA graphs: captured" in log, log[-3000:]
+    replayed = [int(n) for n in re.findall(r"draft passes: (\d+) replayed", log)]
+    assert replayed and sum(replayed) > 0, log[-3000:]
 
 
 def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):

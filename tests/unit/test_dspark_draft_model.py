@@ -256,3 +256,35 @@ def test_bf16_pool_under_an_fp16_draft(model, monkeypatch, kernels):
     want = case.reference(model.w, model.dspark)
     for b, n in enumerate(case.LENS):
         assert_close_rel(base[b], want[b], TOL["bf16"], what=f"base logits, context {n}")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dtype, monkeypatch):
+    """The pass the CUDA graphs capture (DraftPass: padded batch rows, whole req_to_token rows as
+    the table, fixed bounds) drafts the same tokens as the per-step pass, padded or not, with
+    the requests' rows anywhere in req_to_token; rows past the batch get an empty context."""
+    from sgl_atom.speculative.dspark.draft_graphs import DraftGraphs, DraftPass
+
+    monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", "triton")
+    case = Case(served, dtype, seed=17)
+    case.write_context(served)
+    want = served.propose(**case.pass_args(served))
+    bs, width = len(case.LENS), max(case.LENS) + 9
+    gen = torch.Generator().manual_seed(4)
+    req_to_token = torch.zeros(bs + 6, width, dtype=torch.int32)  # other rows: slot 0, NaN
+    rows = torch.randperm(bs + 6, generator=gen)[:bs]
+    req_to_token[rows, : case.context_slots.shape[1]] = case.context_slots
+    args = case.pass_args(served)
+    dpass = DraftPass(served, case.pool, args["embed"], args["lm_head"], req_to_token, bs + 2)
+    lens = torch.tensor(case.LENS)
+    # a larger batch first: its rows must not leak into the next, smaller one
+    dpass.load(torch.arange(bs + 2), torch.full((bs + 2,), 5), torch.arange(bs + 2))
+    dpass.load(case.anchors, lens, rows)
+    assert dpass.lens[bs:].tolist() == [0, 0] and dpass.anchors[bs:].tolist() == [0, 0]
+    assert torch.equal(dpass.run(bs), want)
+    assert torch.equal(dpass.run(bs + 2)[:bs], want)  # padded as a graph of 7 rows runs it
+    with pytest.raises(ValueError, match="buffers hold 7"):
+        dpass.load(torch.zeros(8, dtype=torch.int64), torch.zeros(8), torch.zeros(8))
+    graphs = DraftGraphs.__new__(DraftGraphs)  # the replay choice alone (capture needs CUDA)
+    graphs.sizes = [1, 2, 4, 8]
+    assert [graphs.size_for(b) for b in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]

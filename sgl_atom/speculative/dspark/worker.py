@@ -5,10 +5,11 @@ Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
 * **extend** (prefill, every chunked-prefill chunk): the target runs with its tap layers
   captured; the draft writes its context K/V for every token of the chunk into its own pool.
 * **decode**: the draft proposes k tokens per request in one non-causal pass over
-  ``[anchor, MASK x (k-1)]``; the target verifies ``[anchor, d_0 .. d_{k-1}]`` as a chain
-  through SGLang's tree-verify path (the NGRAM worker's, with a lower-triangular mask); the
-  longest matching prefix plus the target's own next token is committed, and the draft writes
-  the context K/V of the committed rows from the verify pass's taps.
+  ``[anchor, MASK x (k-1)]`` (on CUDA a replayed graph, :mod:`.draft_graphs`); the target
+  verifies ``[anchor, d_0 .. d_{k-1}]`` as a chain through SGLang's tree-verify path (the
+  NGRAM worker's, with a lower-triangular mask); the longest matching prefix plus the target's
+  own next token is committed, and the draft writes the context K/V of the committed rows from
+  the verify pass's taps.
 
 With ``--atom-dspark-forced-accept N`` (benchmarking only, :mod:`.forced_accept`) every verify
 commits N drafts plus one target token per request, whatever the drafts were.
@@ -25,9 +26,10 @@ Under ``--pp-size`` > 1 (P/D prefill only, see ``algorithm.check_pipeline_parall
 builds this worker on every stage. Only the last stage loads the draft and its pool; an earlier
 stage runs the target step alone and sends its taps on with the pipeline payload
 (:mod:`sgl_atom.speculative.dspark.pp_taps`); the last stage puts them before its own. No stage
-runs a draft warm-up or an idle forward of its own (the draft runs eagerly, captures no graph, and a
-prefill server has no DP attention), so every stage runs exactly the forwards the scheduler
-gives the last stage: SGLang's warm-up request and real batches, on the same rows.
+runs a draft warm-up or an idle forward of its own (a producer never proposes, so it captures
+no draft graph, and a prefill server has no DP attention), so every stage runs exactly the
+forwards the scheduler gives the last stage: SGLang's warm-up request and real batches, on the
+same rows.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ...log import get_logger
 from ...pool_state import state_of
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
+from .draft_graphs import DraftGraphs, DraftPass, capture
 from .forced_accept import FLAG, WARNING, forced_accept, forced_acceptance
 from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool, block_page_table, check_block_attention
@@ -98,6 +101,8 @@ class AtomDSparkWorker(NGRAMWorker):
         target = self.model_runner.model
         path, pp = get_spec().speculative_draft_model_path, get_parallel()
         self.pool: DraftKVPool | None = None
+        self.graphs: DraftGraphs | None = None
+        self.passes = {"replayed": 0, "eager": 0}  # draft passes since the last log line
         self.forced_accept = forced_accept(server_args)
         if self.forced_accept is not None:
             logger.warning(WARNING, FLAG, self.forced_accept, self.forced_accept)
@@ -171,6 +176,29 @@ class AtomDSparkWorker(NGRAMWorker):
             cfg.query_len,
             self.pool.scratch_nbytes / 2**20,
         )
+
+    @torch.no_grad()
+    def init_cuda_graphs(self) -> None:
+        """SGLang's graph phase (after the target's graphs): the draft's propose pass is
+        captured once per batch size of the target's decode graphs (:mod:`.draft_graphs`);
+        none without CUDA, without target graphs (--disable-cuda-graph) or with
+        SGL_ATOM_DSPARK_DRAFT_GRAPHS=0, and a capture that fails is logged and left eager."""
+        super().init_cuda_graphs()
+        if self.pool is None or self.producer or self.device.type != "cuda":
+            return
+        sizes = [
+            b
+            for b in getattr(self.model_runner, "decode_cuda_graph_capture_bs", [])
+            if b <= self.pool.max_batch
+        ]
+        if not sizes:
+            return
+        if not envs.SGL_ATOM_DSPARK_DRAFT_GRAPHS.get():
+            logger.info("%s=0: the draft runs eagerly", envs.SGL_ATOM_DSPARK_DRAFT_GRAPHS.name)
+            return
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        dpass = DraftPass(self.draft, self.pool, self.embed, self.lm_head, req_to_token, max(sizes))
+        self.graphs = capture(dpass, sizes)
 
     def clear_cache_pool(self) -> None:
         """Nothing to drop: the draft's rows are rewritten whenever their slot is reused."""
@@ -248,6 +276,11 @@ class AtomDSparkWorker(NGRAMWorker):
         """One draft pass for the whole batch: each request's block attends, through the
         pool's page-size-1 table, to its own context rows (SGLang's ``req_to_token`` row) and
         its block's scratch rows; nothing is gathered out of the pool."""
+        if self.graphs is not None:
+            tokens = self.graphs.propose(anchors, batch.seq_lens, batch.req_pool_indices)
+            self.passes["replayed" if tokens is not None else "eager"] += 1
+            if tokens is not None:
+                return tokens
         seq_lens, n = batch.seq_lens, self._max_seq_len(batch)
         context = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :n]
         table = block_page_table(context, seq_lens, self.pool.scratch_rows(len(batch.reqs)))
@@ -361,5 +394,11 @@ class AtomDSparkWorker(NGRAMWorker):
         self.stats.update(accepted)
         self.total.update(accepted)
         if self.stats.steps >= LOG_EVERY:
-            logger.info("%s (total: %s)", self.stats.as_log_line(), self.total.as_log_line())
+            graphs = ""
+            if self.graphs is not None:
+                graphs = "; draft passes: {replayed} replayed, {eager} eager".format(**self.passes)
+                self.passes = dict.fromkeys(self.passes, 0)
+            logger.info(
+                "%s (total: %s)%s", self.stats.as_log_line(), self.total.as_log_line(), graphs
+            )
             self.stats = SpecStats(self.stats.block_size)

@@ -1,0 +1,154 @@
+"""CUDA graphs of the DSpark draft's propose pass, one per decode batch size.
+
+SGLang captures the target's decode and verify steps in CUDA graphs at start-up. The draft's
+pass (the embedding gather; per layer the projections, norms, RoPE, the block K/V store, the
+atom block attention and the MLP; then the final norm, the LM head and the Markov refinement)
+is some 40 kernels a layer, launched eagerly at every step: on the H200 that made one
+draft+verify step cost about 3 plain decode steps at batch 1.
+
+:class:`DraftPass` runs that pass over static buffers: a fixed number of batch rows (the batch
+padded with rows of empty context) and a fixed page-table width (a whole ``req_to_token`` row),
+so every shape, the attention's split plan and every host-side bound (the RoPE table length)
+are the same at every step of one batch size. A step only copies its anchors, context lengths
+and ``req_to_token`` row indices into the buffers. :class:`DraftGraphs` captures the pass once
+per batch size and replays the smallest graph that holds a batch; a batch larger than every
+graph, or a server without graphs (CPU, ``--disable-cuda-graph``,
+``SGL_ATOM_DSPARK_DRAFT_GRAPHS=0``, a capture that failed), drafts eagerly as before.
+
+A padded row has context length 0 and anchor 0: its block attends to its own scratch rows only
+(every batch row of the graph has its own, ``DraftKVPool.scratch_rows``), and its tokens are
+dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+import torch
+
+from ...log import get_logger
+from .pool import block_page_table
+
+logger = get_logger("sgl_atom.speculative")
+
+
+class DraftPass:
+    """The draft's propose pass over static inputs of up to ``max_bs`` rows."""
+
+    def __init__(
+        self,
+        draft: Any,
+        pool: Any,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        req_to_token: torch.Tensor,
+        max_bs: int,
+    ) -> None:
+        if max_bs > pool.max_batch:
+            raise ValueError(
+                f"draft pass of {max_bs} rows, but the draft pool has scratch rows for "
+                f"{pool.max_batch}"
+            )
+        device = req_to_token.device
+        self.draft, self.pool, self.embed, self.lm_head = draft, pool, embed, lm_head
+        self.req_to_token = req_to_token
+        self.width = int(req_to_token.shape[1])  # the longest context a request can have
+        self.max_bs = max_bs
+        self.anchors = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # RoPE tables as long as any block position, grown now and never inside a graph
+        draft.rope_tables(device, draft.dtype, self.width + draft.dspark.query_len)
+
+    def load(self, anchors: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> None:
+        """One step's inputs into rows 0..bs-1; the rows past them get an empty context."""
+        bs = anchors.shape[0]
+        if bs > self.max_bs:
+            raise ValueError(f"draft pass of {bs} rows, buffers hold {self.max_bs}")
+        self.anchors[:bs].copy_(anchors)
+        self.lens[:bs].copy_(lens)
+        self.rows[:bs].copy_(rows)
+        self.anchors[bs:].zero_()
+        self.lens[bs:].zero_()
+        self.rows[bs:].zero_()
+
+    def run(self, bs: int) -> torch.Tensor:
+        """Draft tokens [bs, k] of rows 0..bs-1 (fixed shapes for a given ``bs``)."""
+        lens = self.lens[:bs]
+        table = block_page_table(
+            self.req_to_token[self.rows[:bs]], lens, self.pool.scratch_rows(bs)
+        )
+        return self.draft.propose(
+            anchors=self.anchors[:bs],
+            context_lens=lens,
+            page_table=table,
+            pool=self.pool,
+            embed=self.embed,
+            lm_head=self.lm_head,
+            max_context=self.width,
+        )
+
+
+class DraftGraphs:
+    """One CUDA graph of :class:`DraftPass` per batch size (captured at construction)."""
+
+    def __init__(self, dpass: DraftPass, batch_sizes: list[int]) -> None:
+        self.dpass = dpass
+        self.sizes = sorted({b for b in batch_sizes if 0 < b <= dpass.max_bs})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.out: dict[int, torch.Tensor] = {}
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.sizes):  # the largest first: the smaller reuse its memory
+            for _ in range(2):  # Triton compiles and first-call work stay out of the graph
+                dpass.run(bs)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.out[bs] = dpass.run(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+
+    def size_for(self, bs: int) -> int | None:
+        """The smallest captured batch size that holds ``bs`` rows, or None."""
+        i = bisect.bisect_left(self.sizes, bs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def propose(
+        self, anchors: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Draft tokens [bs, k] by replaying a graph, or None when no graph holds ``bs``."""
+        bs = anchors.shape[0]
+        size = self.size_for(bs)
+        if size is None:
+            return None
+        self.dpass.load(anchors, lens, rows)
+        self.graphs[size].replay()
+        return self.out[size][:bs]
+
+
+def capture(dpass: DraftPass, batch_sizes: list[int]) -> DraftGraphs | None:
+    """:class:`DraftGraphs` of ``dpass``, or None (logged) when capture fails: the draft then
+    runs eagerly and the server keeps serving."""
+    try:
+        graphs = DraftGraphs(dpass, batch_sizes)
+    except Exception as e:  # a draft that cannot be captured still drafts, eagerly
+        logger.warning(
+            "ATOM_DSPARK draft CUDA graphs: capture failed (%s: %s); the draft runs eagerly",
+            type(e).__name__,
+            e,
+            exc_info=True,
+        )
+        return None
+    logger.info(
+        "ATOM_DSPARK draft CUDA graphs: captured %d batch sizes %s in %.1f s (table width %d)",
+        len(graphs.sizes),
+        graphs.sizes,
+        graphs.capture_s,
+        dpass.width,
+    )
+    return graphs
