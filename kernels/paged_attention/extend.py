@@ -4,6 +4,10 @@ causally to the cached prefix and to themselves, through the page table.
 A tile's rows are (token, head) pairs of one GQA group, token-major, so each K/V tile is read
 once per group. The keys every row sees are visited without masks; only the diagonal band is
 masked. Tiles are issued longest-first (reverse order) to balance the causal triangle.
+
+With an fp8 cache and the new tokens' own K/V passed in (``k_new``, ``v_new``, q's dtype), the
+new tokens attend to those exact rows and read only the cached prefix from fp8: a fresh prompt
+runs the 16-bit path alone, and a prefix hit converts only the prefix.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def extend_fwd_kernel(
     SL,
     QO,
     Out,
+    KN,
+    VN,
+    IDX,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -43,6 +50,8 @@ def extend_fwd_kernel(
     stride_pt,
     stride_ot,
     stride_oh,
+    stride_knt,
+    stride_vnt,
     GROUP: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -51,6 +60,7 @@ def extend_fwd_kernel(
     FP8: tl.constexpr,
     KV_MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,13 +75,7 @@ def extend_fwd_kernel(
     head = kvh * GROUP + rows % GROUP
     row_ok = tok < qo_len
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
-    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
+    q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     row_limit = prefix + tok
 
     first_tok = m_block * BLOCK_M // GROUP
@@ -86,6 +90,33 @@ def extend_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SPLIT:
+        # keys prefix.. are the new tokens' own rows KN/VN[q_start + key - prefix] (q's dtype),
+        # reached through the identity table IDX as a page-size-1 table; prefix keys stay fp8
+        qn = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        qn, qk_n = prepare_q(qn, qk_scale, False, 0, DOT_F32)
+        idx_row = IDX + (q_start - prefix)
+        new_full = tl.where(live, prefix + first_tok // BLOCK_N * BLOCK_N, prefix)
+        for start_n in range(prefix, new_full, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, qn, KN + kvh * HEAD_DIM, VN + kvh * HEAD_DIM, KS, VS, idx_row,
+                start_n, diag_end, row_limit, qk_n, stride_knt, stride_vnt, stride_st,
+                1, BLOCK_N, HEAD_DIM, False, False, 0, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(new_full, diag_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, qn, KN + kvh * HEAD_DIM, VN + kvh * HEAD_DIM, KS, VS, idx_row,
+                start_n, diag_end, row_limit, qk_n, stride_knt, stride_vnt, stride_st,
+                1, BLOCK_N, HEAD_DIM, False, True, 0, DOT_F32,
+            )  # fmt: skip
+        if FP8 and KV_MODE == 3:  # the fp8 tiles below add acc x 2^-8 (see attend_tile)
+            acc = acc * (1.0 / OUT_BITS_SCALE)
+        # the cached prefix: whole tiles, then the one the prefix ends in
+        full_end = tl.where(live, prefix // BLOCK_N * BLOCK_N, 0)
+        diag_end = tl.where(live, prefix, 0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
+    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc,
@@ -177,6 +208,8 @@ def extend_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_mode: str | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal extend/prefill attention over the paged KV.
 
@@ -192,6 +225,10 @@ def extend_fwd(
     max_qo_len: longest qo_len (read from qo_indptr, a device sync, when None).
     block_m (rows = tokens × GQA group), block_n, num_warps, num_stages, kv_mode (fp8: a
       `KV_MODES` name): tuning overrides.
+    k_new, v_new: [total_q, kv_heads, head_dim] in q's dtype, the new tokens' K/V as computed
+      (rows as q's). With an fp8 cache the new tokens attend to these rows instead of their
+      quantized copies in the cache, which is then read for the prefix only; ignored with a
+      16-bit cache (its rows are these values).
     Returns out.
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
@@ -212,6 +249,18 @@ def extend_fwd(
     cfg = _config(head_dim, fp8, on_cpu(q))
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
+    split = fp8 and k_new is not None
+    if split:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            assert t is not None and t.shape == (q.shape[0], kv_heads, head_dim), (
+                f"{name}: [total_q, kv_heads, head_dim]"
+            )
+            assert t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == head_dim, (
+                f"{name}: q's dtype, heads and head_dim contiguous"
+            )
+        idx = torch.arange(q.shape[0] + block_n, dtype=torch.int32, device=q.device)
+    else:
+        k_new, v_new, idx = k_cache, v_cache, page_table  # unread placeholders
     grid = (triton.cdiv(max_qo_len * group, block_m), kv_heads, batch)
     extend_fwd_kernel[grid](
         q,
@@ -223,6 +272,9 @@ def extend_fwd(
         seq_lens,
         qo_indptr,
         out,
+        k_new,
+        v_new,
+        idx,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -232,6 +284,8 @@ def extend_fwd(
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
+        k_new.stride(0),
+        v_new.stride(0),
         GROUP=group,
         PAGE=page_size,
         BLOCK_M=block_m,
@@ -240,6 +294,7 @@ def extend_fwd(
         FP8=fp8,
         KV_MODE=kv_mode_id(kv_mode, q) if fp8 else 0,
         DOT_F32=on_cpu(q),
+        SPLIT=split,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

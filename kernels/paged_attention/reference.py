@@ -41,13 +41,20 @@ def reference_extend(
     k_scale=None,
     v_scale=None,
     dtype=torch.float64,
+    k_new=None,
+    v_new=None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens (last qo_len) over its cached rows."""
+    """Causal attention of each sequence's new tokens (last qo_len) over its cached rows; with
+    ``k_new``/``v_new`` (rows as q's) the new tokens' keys and values are those rows, and only
+    the prefix is read from the cache."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     for b in range(seq_lens.shape[0]):
         lo, hi, n = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(seq_lens[b])
         k = gather_kv(k_cache, k_scale, page_table[b], n, page_size, dtype)
         v = gather_kv(v_cache, v_scale, page_table[b], n, page_size, dtype)
+        if k_new is not None:
+            k[n - (hi - lo) :] = k_new[lo:hi].to(dtype)
+            v[n - (hi - lo) :] = v_new[lo:hi].to(dtype)
         out[lo:hi] = attend(q[lo:hi].to(dtype), k, v, sm_scale, n - (hi - lo))
     return out
 

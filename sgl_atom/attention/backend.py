@@ -315,6 +315,11 @@ class AtomAttnBackend(AttentionBackend):
         elif mode.is_target_verify():
             self.ops.verify(*args, self.page_size, layer.scaling, meta.num_draft, **kw)
         else:
+            if self.fp8 and k is not None and k.dtype == q3.dtype:
+                # the new tokens attend to their own K/V as computed; fp8 is read for the
+                # cached prefix only
+                kw["k_new"] = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+                kw["v_new"] = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
             self.ops.extend(
                 *args,
                 meta.qo_indptr,

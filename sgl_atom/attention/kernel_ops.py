@@ -101,10 +101,13 @@ def _dequant(cache, scale, slots, seen):
 
 
 def _ref_extend(
-    q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, out, k_scale=None, v_scale=None, **_
-):
+    q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, out, k_scale=None, v_scale=None,
+    k_new=None, v_new=None, **_,
+):  # fmt: skip
+    if k_scale is None:  # a 16-bit cache holds the new rows as they are (as extend_fwd)
+        k_new = v_new = None
     ref = reference_extend(
-        q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, k_scale, v_scale, F64
+        q, kc, vc, pt, lens, qo_indptr, page_size, sm_scale, k_scale, v_scale, F64, k_new, v_new
     )
     return out.copy_(ref)
 

@@ -138,9 +138,11 @@ def test_chunked_prefill_then_decode(kv_dtype, page_size):
     for r in lens:
         _assign_pages(runner, r, lens[r], pages[r])
     tol = 2e-2 if kv_dtype == torch.bfloat16 else 8e-2
-    # prefill in two chunks (the second attends to a cached prefix), then two decode steps
+    # prefill in two chunks (the second attends to a cached prefix), then two decode steps;
+    # a fresh prompt's tokens attend to their own K/V as computed, so with fp8 KV the first
+    # chunk reads nothing quantized and is held to the bf16 bound
     out, ref = _run(backend, runner, "EXTEND", [0, 1], [0, 0], [17, 9], hist)
-    assert _rel(out, ref) < tol
+    assert _rel(out, ref) < 2e-2
     out, ref = _run(backend, runner, "EXTEND", [0, 1], [17, 9], [21, 12], hist)
     assert _rel(out, ref) < tol
     for step in range(2):

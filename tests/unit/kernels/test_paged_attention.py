@@ -81,6 +81,44 @@ def test_extend(case):
     assert_close_rel(out, ref, TOL)
 
 
+def _new_rows_of(cache, table, lens, new, page_size):
+    """Slots of each sequence's new tokens (its last ``new[b]`` positions), in q's row order."""
+    out = []
+    for b, (n, m) in enumerate(zip(lens.tolist(), new, strict=True)):
+        pos = torch.arange(n - m, n, device=table.device)
+        out.append(table[b, pos // page_size].long() * page_size + pos % page_size)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("ps,mode", [(1, "bits"), (16, "bits"), (16, "bf16"), (16, "f16")])
+def test_fp8_extend_reads_the_new_tokens_as_computed(ps, mode):
+    """With an fp8 cache and k_new/v_new, the new tokens attend to those exact 16-bit rows and
+    only the cached prefix is read from fp8: the new tokens' cache rows are poisoned (NaN
+    values and scales) and must not reach the output; every fp8 mode matches the reference."""
+    hq, hkv, d = 8, 2, 128
+    lens, new = [40, 9, 50, 33], [40, 1, 24, 9]  # pure prefill, one token, extends
+    kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=ps + 11)
+    q, qo = queries(sum(new), hq, d, DEV, seed=12), indptr(new, DEV)
+    g = torch.Generator().manual_seed(13)
+    k_new = torch.randn(sum(new), hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    v_new = torch.randn(sum(new), hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    rows = _new_rows_of(kc, table, sl, new, ps)
+    for c in (kc, vc):
+        c.view(torch.uint8)[rows] = 0x7F  # e4m3 NaN
+    for s in (ks, vs):
+        s[rows] = float("nan")
+    ref = pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs, k_new=k_new,
+                              v_new=v_new)  # fmt: skip
+    assert torch.isfinite(ref).all()
+    out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), k_scale=ks,
+                        v_scale=vs, kv_mode=mode, k_new=k_new, v_new=v_new)  # fmt: skip
+    assert_close_rel(out, ref, TOL)
+    # without the new rows the kernel reads the poisoned cache: the test sees the difference
+    plain = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), k_scale=ks,
+                          v_scale=vs, kv_mode=mode)  # fmt: skip
+    assert not torch.isfinite(plain).all()
+
+
 @pytest.mark.parametrize("op", ["decode", "extend"])
 def test_fp8_kv_modes(op):
     """Every way fp8 K/V meet q in the dots is held to the reference. The integer bit moves
