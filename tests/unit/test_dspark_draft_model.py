@@ -288,3 +288,14 @@ def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dt
     graphs = DraftGraphs.__new__(DraftGraphs)  # the replay choice alone (capture needs CUDA)
     graphs.sizes = [1, 2, 4, 8]
     assert [graphs.size_for(b) for b in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+
+
+def test_draft_graph_sizes_follow_the_target_graphs_on_cuda_only():
+    """The worker's graph phase: the target's decode graph sizes that the draft's scratch rows
+    hold, none off CUDA (SGLang's runtime context gives the device as a string)."""
+    from sgl_atom.speculative.dspark.draft_graphs import capture_sizes
+
+    assert capture_sizes("cpu", [1, 2, 4], 8) == []
+    assert capture_sizes("cuda", [], 8) == []  # --disable-cuda-graph: SGLang captured none
+    assert capture_sizes("cuda", [4, 1, 2, 16, 8, 2], 8) == [1, 2, 4, 8]
+    assert capture_sizes(torch.device("cuda", 0), [1, 64], 32) == [1]

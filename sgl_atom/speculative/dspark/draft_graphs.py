@@ -131,6 +131,15 @@ class DraftGraphs:
         return self.out[size][:bs]
 
 
+def capture_sizes(device: str | torch.device, target_bs, max_batch: int) -> list[int]:
+    """The batch sizes to capture the draft at: those of the target's decode graphs
+    (``target_bs``; empty when SGLang captured none) that the draft pool's scratch rows hold;
+    none off CUDA. ``device`` as SGLang's runtime context holds it (a string) or a device."""
+    if torch.device(device).type != "cuda":
+        return []
+    return sorted({int(b) for b in target_bs if 0 < int(b) <= max_batch})
+
+
 def capture(dpass: DraftPass, batch_sizes: list[int]) -> DraftGraphs | None:
     """:class:`DraftGraphs` of ``dpass``, or None (logged) when capture fails: the draft then
     runs eagerly and the server keeps serving."""

@@ -50,7 +50,7 @@ from ...log import get_logger
 from ...pool_state import state_of
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
-from .draft_graphs import DraftGraphs, DraftPass, capture
+from .draft_graphs import DraftGraphs, DraftPass, capture, capture_sizes
 from .forced_accept import FLAG, WARNING, forced_accept, forced_acceptance
 from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool, block_page_table, check_block_attention
@@ -184,13 +184,10 @@ class AtomDSparkWorker(NGRAMWorker):
         none without CUDA, without target graphs (--disable-cuda-graph) or with
         SGL_ATOM_DSPARK_DRAFT_GRAPHS=0, and a capture that fails is logged and left eager."""
         super().init_cuda_graphs()
-        if self.pool is None or self.producer or self.device.type != "cuda":
+        if self.pool is None or self.producer:
             return
-        sizes = [
-            b
-            for b in getattr(self.model_runner, "decode_cuda_graph_capture_bs", [])
-            if b <= self.pool.max_batch
-        ]
+        target_bs = getattr(self.model_runner, "decode_cuda_graph_capture_bs", [])
+        sizes = capture_sizes(self.device, target_bs, self.pool.max_batch)
         if not sizes:
             return
         if not envs.SGL_ATOM_DSPARK_DRAFT_GRAPHS.get():
