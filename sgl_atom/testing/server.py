@@ -23,6 +23,10 @@ import requests
 from .. import envs
 from ..launch_server import server_command
 
+# what uvicorn (and the OS, capitalised) log when another process holds the port: compared in
+# lower case
+BIND_FAILED = "address already in use"
+
 
 class ServerStartError(RuntimeError):
     """A managed process that exited, or never answered its health check, during start-up;
@@ -83,6 +87,13 @@ class ManagedProcess:
                 )
             if self._healthy():
                 return self
+            if BIND_FAILED in self.log_text().lower():
+                # another process took the port first; the server's other processes may linger
+                # instead of exiting, so stop it now rather than wait out the timeout
+                self.stop()
+                raise ServerStartError(
+                    f"{self.name} could not bind port {self.port}:\n{self.log_tail()}", self
+                )
             time.sleep(1.0)
         self.stop()
         raise ServerStartError(
@@ -192,7 +203,7 @@ class ServerPool:
                 return srv.start(timeout)
             except ServerStartError:
                 srv.stop()
-                if attempt == 2 or "address already in use" not in srv.log_text():
+                if attempt == 2 or BIND_FAILED not in srv.log_text().lower():
                     raise
         raise AssertionError("unreachable")
 

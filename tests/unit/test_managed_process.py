@@ -194,3 +194,33 @@ def test_a_router_that_hangs_at_start_is_started_once_more(tmp_path):
     finally:
         router.stop()
     assert router.proc.poll() is not None
+
+
+def test_a_server_that_cannot_bind_its_port_fails_at_once_and_is_stopped():
+    """Another process holds the port; the child logs the bind failure and lingers instead of
+    exiting (as SGLang's processes can): start-up fails now, naming the port, not at the
+    timeout, and the child is stopped (ServerPool then starts once more on a fresh port)."""
+    import socket
+    import time
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    code = (
+        "import socket, time\n"
+        "s = socket.socket()\n"
+        f"try:\n    s.bind(('127.0.0.1', {port}))\n"
+        "except OSError as e:\n    print('ERROR:', e, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = ManagedProcess([sys.executable, "-c", code], None, port, "taken")
+    t0 = time.time()
+    try:
+        with pytest.raises(ServerStartError, match=f"could not bind port {port}"):
+            proc.start(timeout=120)
+        assert time.time() - t0 < 30
+        assert proc.proc.poll() is not None
+    finally:
+        proc.stop()
+        holder.close()
