@@ -12,7 +12,6 @@ binary is not carried to the GPU machine.
 
 from __future__ import annotations
 
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -25,18 +24,17 @@ REPS = 5
 SHARE = "0.4"  # --mem-fraction-static of each server of the pair
 # same-node GPU transports first (UCX picks among these)
 PAIR_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp", "SGL_ATOM_PD_TRANSFER_LOG": "1"}
-TRANSFER_LINE = re.compile(
-    r"room (\d+): (\d+) KV bytes in (\d+) descriptors to \d+ decode rank\(s\), ([\d.]+) ms"
-)
 # issue 16's targets
 TARGET_TTFT, TARGET_GBPS_16K, TARGET_GBPS_1K = 1.15, 100.0, 30.0
 
 
 def transfers(log: str) -> dict[int, tuple[int, int, float]]:
     """room -> (KV bytes, descriptors, write ms) from the prefill's transfer lines."""
+    from sgl_atom.disagg.conn import TransferStats
+
     return {
-        int(room): (int(nbytes), int(descs), float(ms))
-        for room, nbytes, descs, ms in TRANSFER_LINE.findall(log)
+        room: (stats.nbytes, stats.descriptors, round(stats.seconds * 1e3, 2))
+        for room, (stats, _) in TransferStats.logged(log).items()
     }
 
 

@@ -29,6 +29,7 @@ host; UCX's own variables pick NIXL's transport).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import uuid
@@ -83,11 +84,26 @@ class TransferStats:
         self.seconds += seconds
 
     def describe(self, ranks: int) -> str:
+        """The log line's text after ``room N: `` (:meth:`logged` reads it back)."""
         rate = self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return (
             f"{self.nbytes} KV bytes in {self.descriptors} descriptors to {ranks} decode "
             f"rank(s), {self.seconds * 1e3:.2f} ms writing ({rate:.3g} GB/s)"
         )
+
+    @classmethod
+    def logged(cls, log: str) -> dict[int, tuple[TransferStats, int]]:
+        """room -> (its stats, decode ranks) from a prefill log's SGL_ATOM_PD_TRANSFER_LOG
+        lines (write time to the logged 0.01 ms)."""
+        return {
+            int(room): (cls(int(nbytes), int(descs), float(ms) / 1e3), int(ranks))
+            for room, nbytes, descs, ranks, ms in _TRANSFER_LINE.findall(log)
+        }
+
+
+_TRANSFER_LINE = re.compile(
+    r"room (\d+): (\d+) KV bytes in (\d+) descriptors to (\d+) decode rank\(s\), ([\d.]+) ms"
+)
 
 
 class AtomTransferError(RuntimeError):

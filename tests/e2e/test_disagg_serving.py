@@ -32,6 +32,7 @@ from e2e_utils import listening_sockets, word_prompts
 
 from sgl_atom import envs
 from sgl_atom.cpu_mode import cache_dir
+from sgl_atom.disagg.conn import TransferStats
 from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.pd import PDRequest, decode_args, prefill_args
@@ -155,11 +156,6 @@ def expected(pd) -> list[dict]:
     return pd.unified.generate(PROMPTS, max_new_tokens=MAX_NEW)
 
 
-TRANSFER_LINE = re.compile(
-    r"room \d+: (\d+) KV bytes in (\d+) descriptors to (\d+) decode rank\(s\), ([\d.]+) ms"
-)
-
-
 def _params(max_new: int = MAX_NEW) -> dict:
     return {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
 
@@ -229,9 +225,9 @@ def test_router_prefill_decode_matches_unified(pd, expected, report):
     assert "16 regions (layers 0..3), 8 of them draft" in log, log[-3000:]
     assert re.search(r"accepted decode rank tp 0/1 .*whole", log)
     # SGL_ATOM_PD_TRANSFER_LOG: one line per request, once its KV landed
-    moved = TRANSFER_LINE.findall(log)
+    moved = list(TransferStats.logged(log).values())
     assert len(moved) >= len(PROMPTS), log[-3000:]
-    assert all(int(b) > 0 and int(d) >= 1 and r == "1" for b, d, r, _ in moved), moved
+    assert all(t.nbytes > 0 and t.descriptors >= 1 and r == 1 for t, r in moved), moved
 
 
 def test_mismatched_layout_is_refused_before_any_write(pd, expected):
