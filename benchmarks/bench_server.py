@@ -48,6 +48,7 @@ import itertools
 import json
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -297,7 +298,9 @@ def run_spec_workload(srv, plain: Row, block: int, forced: int, draft_kv: str) -
     )
 
 
-def server_args(backend_args, workloads, output, cpu=False, log_interval=0) -> list[str]:
+def server_args(
+    backend_args, workloads, output, cpu=False, log_interval=0, mem_fraction="0.85"
+) -> list[str]:
     max_bs = max(b for b, _ in workloads)
     ctx = max(p for _, p in workloads) + output + 64
     args = [
@@ -317,7 +320,7 @@ def server_args(backend_args, workloads, output, cpu=False, log_interval=0) -> l
     if cpu:  # SGLang's CPU engine would size the pool from host memory
         args += ["--max-total-tokens", str(max(4096, max_bs * ctx))]
     else:
-        args += ["--cuda-graph-max-bs-decode", str(max_bs), "--mem-fraction-static", "0.85"]
+        args += ["--cuda-graph-max-bs-decode", str(max_bs), "--mem-fraction-static", mem_fraction]
     if log_interval:
         args += ["--decode-log-interval", str(log_interval)]
     return args + list(backend_args)
@@ -438,8 +441,6 @@ def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
 def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]:
     """A unified atom bf16 server, then a prefill + decode pair of the same model on the same
     card (``server_pd``): TTFT at batch 1 per prompt length, and the pair's KV transfer."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from sgl_atom.testing.pd import PDRequest, decode_args, prefill_args
     from sgl_atom.testing.server import free_port
 
@@ -472,19 +473,24 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     save(rows)
 
     bp = free_port()
-    share = [] if cpu else ["--mem-fraction-static", pd.SHARE]
     pair_env = {**env, **pd.PAIR_ENV}
     roles = {
-        "prefill": [*base, *prefill_args(bp), *share, "--nccl-port", str(free_port())],
-        "decode": [*base, *decode_args(cpu), *share, "--nccl-port", str(free_port())],
+        "prefill": ([*base, *prefill_args(bp), "--nccl-port", str(free_port())], pd.PREFILL_SHARE),
+        "decode": ([*base, *decode_args(cpu), "--nccl-port", str(free_port())], pd.DECODE_SHARE),
     }
     servers = {
-        role: Server(path, server_args(extra, loads, 1, cpu), env=pair_env, name=f"pd-{role}")
-        for role, extra in roles.items()
+        role: Server(
+            path,
+            server_args(extra, loads, 1, cpu, mem_fraction=share),
+            env=pair_env,
+            name=f"pd-{role}",
+        )  # fmt: skip
+        for role, (extra, share) in roles.items()
     }
     try:
-        with ThreadPoolExecutor(2) as ex:
-            list(ex.map(lambda s: s.start(timeout=900), servers.values()))
+        # one after the other: each sizes its pool from the memory free when it starts
+        for srv in servers.values():
+            srv.start(timeout=900)
         prefill, decode = servers["prefill"], servers["decode"]
         room = 1000
 
@@ -753,6 +759,9 @@ def write_results(out: Path, header: dict, rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # a SIGTERM (a `timeout` around the run) unwinds like Ctrl-C: every started server is stopped
+    # on the way out instead of holding the GPU's memory after this process is gone
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     gbps = cpu_copy_gbps() if args.cpu_smoke else measure_copy_gbps()
     print(f"[bench_server] copy rate {gbps:.0f} GB/s, run {run_id}", flush=True)

@@ -39,6 +39,10 @@ pack_out() {
 [ "${GPU_CALL_NESTED:-}" ] || trap pack_out EXIT
 export GPU_CALL_NESTED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+# A mode cut by `timeout` may leave SGLang servers behind (each runs in its own session, out of
+# reach of the signal), holding the card's memory for the next mode: stopped after each mode that
+# starts servers. The pattern does not match this script's own command line.
+stop_servers() { pkill -f '[s]glang.launch_server' && sleep 5; pkill -9 -f '[s]glang.launch_server'; true; }
 kernel_tests() {
   python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log"
 }
@@ -55,12 +59,12 @@ case "$what" in
   tier) # the pytest run is capped (TIER_TIMEOUT s) so the servers' log tails are kept when it is cut
         timeout "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu/test_server_tier.py "$@" 2>&1 \
           | tee "$OUT/gpu_server_tests.log"
-        for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log" ;;
-  bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
-  bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log" ;;
-  bench-m3) python3 benchmarks/bench_server.py --m3 --output 64 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_m3.log" ;;
-  bench-pd) python3 benchmarks/bench_server.py --pd --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_pd.log" ;;
-  bench-spec) python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log" ;;
+        for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log"; stop_servers ;;
+  bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
+  bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
+  bench-m3) python3 benchmarks/bench_server.py --m3 --output 64 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_m3.log"; stop_servers ;;
+  bench-pd) python3 benchmarks/bench_server.py --pd --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_pd.log"; stop_servers ;;
+  bench-spec) python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log"; stop_servers ;;
   ncu-decode)
     for kv in bf16 fp8; do
       ncu --clock-control none --kernel-name regex:decode_fwd_kernel --launch-skip 2 \

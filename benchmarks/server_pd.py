@@ -21,7 +21,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_WORKLOADS = "1x1024,1x4096,1x16384"
 REPS = 5
-SHARE = "0.4"  # --mem-fraction-static of each server of the pair
+# --mem-fraction-static of the pair, started one after the other: SGLang sizes a server's pool
+# from the card's total memory less what is in use when it starts, so the decode (started second,
+# the prefill's 0.4 already taken) asks for 0.85 of the card and gets about 0.45 of it.
+PREFILL_SHARE, DECODE_SHARE = "0.4", "0.85"
 # same-node GPU transports first (UCX picks among these)
 PAIR_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp", "SGL_ATOM_PD_TRANSFER_LOG": "1"}
 # issue 16's targets
