@@ -24,7 +24,10 @@ not measure (other models, later suites) are kept, rows it measured are replaced
 (rows with "spec": "none") and then one server per draft block k and draft KV dtype, a random
 draft of real shape under `--atom-dspark-forced-accept N` (rows with "spec": "dspark",
 "forced_accept", "block", "draft_kv", "accept_len", "step_ratio": one draft+verify step over one
-plain decode step of the same run). Their table is the second one in server.md. `--cpu-smoke`
+plain decode step of the same run). `--serial-plain` adds the plain decode without overlap
+scheduling (rows with "spec": "none-serial"; DSpark rows then carry "step_ratio_serial", the step
+over that one), since ATOM_DSPARK runs without overlap and the plain server with it. Their table
+is the second one in server.md. `--cpu-smoke`
 runs that suite on CPU (SGLang's CPU engine through sgl_atom.launch_server, kernels' torch
 references) on a tiny shape: it checks the code path, its figures mean nothing.
 
@@ -270,8 +273,11 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, e
     )
 
 
-def run_spec_workload(srv, plain: Row, block: int, forced: int, draft_kv: str) -> Row:
-    """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s."""
+def run_spec_workload(
+    srv, plain: Row, block: int, forced: int, draft_kv: str, serial: Row | None = None
+) -> Row:
+    """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s (and
+    over ``serial``'s, the plain decode without overlap scheduling, when measured)."""
     vocab = MODELS[plain.model]["vocab_size"]
     ttft, log, client = timed_decode(srv, vocab, plain.batch, plain.prompt, plain.output, warm=True)
     rate, accept, n = dspark.spec_log_rate(log, plain.batch)
@@ -281,6 +287,8 @@ def run_spec_workload(srv, plain: Row, block: int, forced: int, draft_kv: str) -
     extra = dict(spec="dspark", block=block, forced_accept=forced, draft_kv=draft_kv)
     extra |= dict(accept_len=round(accept, 2), vs_plain=round(rate / plain.decode_tok_s, 2))
     extra["step_ratio"] = round(dspark.step_ratio(rate, accept, plain.decode_tok_s), 3)
+    if serial is not None:
+        extra["step_ratio_serial"] = round(dspark.step_ratio(rate, accept, serial.decode_tok_s), 3)
     return Row(
         plain.model,
         plain.backend,
@@ -373,34 +381,41 @@ def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> li
 
 
 def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu,
-               save=lambda rows: None):  # fmt: skip
-    """The plain atom bf16 decode of ``model``, then ATOM_DSPARK with a random draft of real
-    shape per (block k, forced N) and draft KV dtype, each server after the other; ``save``
-    gets the rows so far after each server."""
+               save=lambda rows: None, serial=False):  # fmt: skip
+    """The plain atom bf16 decode of ``model`` (with ``serial``, once more without overlap
+    scheduling, as ATOM_DSPARK runs), then ATOM_DSPARK with a random draft of real shape per
+    (block k, forced N) and draft KV dtype, each server after the other; ``save`` gets the rows
+    so far after each server."""
     path = write_model(model, root)
     drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
     env = CPU_ENV if cpu else {}
     interval = 1 if cpu else 4  # a spec step makes k+1 tokens: log often enough to sample it
     warm = min(1024, max(p for _, p in workloads))
     base = BACKENDS["atom-bf16"][2]
-    plain: list[Row] = []
-    args = server_args(base, workloads, output, cpu, interval)
-    with started(path, args, f"{model}_atom-bf16-plain", env, logs, warm) as srv:
-        for batch, prompt in workloads:
-            none = {"spec": "none"}
-            plain.append(
-                run_workload(srv, model, "atom", "bf16", batch, prompt, output, gbps, run_id, none)
-            )
-            _print(plain[-1], "atom-bf16 plain")
-    rows = list(plain)
-    save(rows)
+    baselines = {"none": ([], "plain")}
+    if serial:
+        baselines[dspark.SERIAL] = (["--disable-overlap-schedule"], "plain-no-overlap")
+    plains: dict[str, list[Row]] = {}
+    rows: list[Row] = []
+    for kind, (flags, label) in baselines.items():
+        args = server_args([*base, *flags], workloads, output, cpu, interval)
+        with started(path, args, f"{model}_atom-bf16-{label}", env, logs, warm) as srv:
+            for batch, prompt in workloads:
+                row = run_workload(
+                    srv, model, "atom", "bf16", batch, prompt, output, gbps, run_id, {"spec": kind}
+                )
+                plains.setdefault(kind, []).append(row)
+                _print(row, f"atom-bf16 {label}")
+        rows += plains[kind]
+        save(rows)
+    plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
     for (k, n), kv in itertools.product(blocks, draft_kvs):
         name = f"{model}_dspark-k{k}-n{n}-{kv}"
         spec = dspark.spec_server_args(drafts[k], kv, n)
         args = server_args([*base, *spec], workloads, output, cpu, interval)
         with started(path, args, name, {**env, **dspark.SPEC_ENV}, logs, warm) as srv:
-            for p in plain:
-                rows.append(run_spec_workload(srv, p, k, n, kv))
+            for p, q in zip(plain, serials, strict=True):
+                rows.append(run_spec_workload(srv, p, k, n, kv, q))
                 _print(rows[-1], name.partition("_")[2])
         save(rows)
     return rows
@@ -648,6 +663,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--draft-kv", default=dspark.DEFAULT_DRAFT_KV, help="draft KV pool dtypes")
     ap.add_argument(
+        "--serial-plain",
+        action="store_true",
+        help="--spec: also the plain decode with --disable-overlap-schedule (ATOM_DSPARK runs "
+        "without overlap): splits a step's cost into scheduling and draft+verify",
+    )
+    ap.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="--spec on CPU, tiny shape, 2x64, 8 new tokens: the code path, not figures",
@@ -708,7 +729,7 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
                 done = list(rows)
                 rows += bench_spec(
                     model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
-                    args.cpu_smoke, lambda new, done=done: save(done + new),
+                    args.cpu_smoke, lambda new, done=done: save(done + new), args.serial_plain,
                 )  # fmt: skip
                 continue
             for name in args.backends.split(","):

@@ -30,6 +30,8 @@ SPEC_RE = re.compile(
     r"Decode batch.*?#running-req: (\d+).*?(?:accept len: ([\d.]+).*?)?"
     r"gen throughput \(token/s\): ([\d.]+)"
 )
+# rows of the plain decode without overlap scheduling (`bench_server.py --serial-plain`)
+SERIAL = "none-serial"
 STEP_TARGET = 1.35  # issue 14: one draft+verify step <= 1.35x a plain decode step
 
 
@@ -149,29 +151,32 @@ def spec_table(rows: list[dict]) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import format_table
 
-    mine = [r for r in rows if r.get("spec") in ("none", "dspark")]
+    mine = [r for r in rows if r.get("spec") in ("none", SERIAL, "dspark")]
+    kinds = {"none": 0, SERIAL: 1, "dspark": 2}
     order = lambda r: (  # noqa: E731
         r["model"],
         r["batch"],
         r["prompt"],
         r["run"],
-        r["spec"] != "none",
+        kinds[r["spec"]],
         r.get("block") or 0,
         r.get("draft_kv") or "",
     )
     out = []
     for r in sorted(mine, key=order):
-        plain = r["spec"] == "none"
+        spec = r["spec"] == "dspark"
+        label = {"none": "plain", SERIAL: "plain, no overlap"}.get(r["spec"])
         out.append(
             [
                 r["model"],
                 f"{r['batch']}x{r['prompt']}",
-                "plain" if plain else f"k={r['block']} forced {r['forced_accept']}",
-                "-" if plain else r["draft_kv"],
-                1 if plain else r.get("accept_len", "-"),
+                f"k={r['block']} forced {r['forced_accept']}" if spec else label,
+                r["draft_kv"] if spec else "-",
+                r.get("accept_len", "-") if spec else 1,
                 round(r["decode_tok_s"]),
-                "1" if plain else r.get("vs_plain", "-"),
-                "1" if plain else r.get("step_ratio", "-"),
+                r.get("vs_plain", "-") if spec else "-",
+                r.get("step_ratio", "-") if spec else "-",
+                r.get("step_ratio_serial", "-") if spec else "-",
                 r["ttft_s"],
                 r["run"],
             ]
@@ -186,6 +191,7 @@ def spec_table(rows: list[dict]) -> str:
             "decode tok/s",
             "vs plain",
             f"step vs plain (target <= {STEP_TARGET})",
+            "step vs plain, no overlap",
             "TTFT s",
             "run",
         ],

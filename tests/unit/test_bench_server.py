@@ -106,3 +106,31 @@ def test_pd_rows_read_the_transfer_lines_the_backend_writes():
     ms = sorted(m[2] for m in moved)[2]
     assert figures["ttft_s"] == 2.0 and figures["kv_bytes"] == nbytes
     assert figures["transfer_gbps"] == pytest.approx(nbytes / (ms * 1e-3) / 1e9, abs=0.01)
+
+
+def test_spec_table_sets_each_dspark_step_beside_both_plain_decodes():
+    """The DSpark step over the plain decode with and without overlap scheduling
+    (``--serial-plain``): a step making batch x accept tokens at rate r took accept x plain / r
+    plain steps; rows of one workload sit together, the plain ones first."""
+    import server_dspark as dspark
+
+    rng = random.Random()
+    plain, accept = rng.uniform(100, 5000), rng.choice([4, 6])
+    serial = plain * rng.uniform(0.5, 0.8)  # the table keeps 3 significant digits
+    rate = rng.uniform(100, 9000)
+    base = {"model": "m", "batch": 16, "prompt": 4096, "run": "r", "ttft_s": 1.0}
+    spec = {**base, "spec": "dspark", "block": 4, "forced_accept": accept - 1, "draft_kv": "bf16",
+            "accept_len": accept, "decode_tok_s": rate,
+            "step_ratio": round(dspark.step_ratio(rate, accept, plain), 3),
+            "step_ratio_serial": round(dspark.step_ratio(rate, accept, serial), 3)}  # fmt: skip
+    other = {**base, "batch": 1, "spec": "none", "decode_tok_s": 10.0}
+    rows = [spec, {**base, "spec": dspark.SERIAL, "decode_tok_s": serial}, other,
+            {**base, "spec": "none", "decode_tok_s": plain}]  # fmt: skip
+    lines = [ln for ln in dspark.spec_table(rows).splitlines() if ln.startswith("| m ")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    assert [c[1:3] for c in cells] == [
+        ["1x4096", "plain"], ["16x4096", "plain"], ["16x4096", "plain, no overlap"],
+        ["16x4096", "k=4 forced " + str(accept - 1)],
+    ]  # fmt: skip
+    assert float(cells[3][7]) == pytest.approx(accept * plain / rate, rel=5e-3)
+    assert float(cells[3][8]) == pytest.approx(accept * serial / rate, rel=5e-3)
