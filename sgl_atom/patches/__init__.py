@@ -427,6 +427,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "builds the verify input (tree mask, positions, cache locs) from _prepare_draft_tokens",
     ),
     PrivateName(
+        "sglang.srt.speculative.ngram_worker.USE_FULL_MASK",
+        "module global",
+        "sgl_atom.speculative.dspark.worker",
+        "off while the DSpark worker builds its verify input: the per-request full mask it "
+        "selects on CUDA is read by no attention backend ATOM_DSPARK can run with",
+    ),
+    PrivateName(
         f"{_NGRAM}._prepare_draft_tokens",
         "method",
         "sgl_atom.speculative.dspark.worker",

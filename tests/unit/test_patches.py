@@ -169,8 +169,15 @@ def _class_source(dotted: str) -> str:
 @pytest.mark.parametrize("p", patches.PRIVATE_NAMES, ids=lambda p: p.name.split(".", 3)[-1])
 def test_private_name_is_where_the_code_expects_it(p):
     owner, attr = p.name.rsplit(".", 1)
-    if p.kind in ("class attribute", "module global"):
+    if p.kind == "class attribute":
         assert hasattr(pkgutil.resolve_name(owner), attr), f"{p.name} moved (used by {p.used_by})"
+    elif p.kind == "module global":
+        try:
+            found = hasattr(importlib.import_module(owner), attr)
+        except ImportError:  # a module that needs a CUDA driver: its top-level assignment
+            text = Path(importlib.util.find_spec(owner).origin).read_text()
+            found = bool(re.search(rf"^{re.escape(attr)}\s*(:[^=\n]*)?=[^=]", text, re.M))
+        assert found, f"{p.name} moved (used by {p.used_by})"
     elif p.kind == "method":
         assert f"def {attr}(" in _class_source(owner), f"{p.name} moved (used by {p.used_by})"
     elif p.kind == "instance attribute":
@@ -181,6 +188,18 @@ def test_private_name_is_where_the_code_expects_it(p):
         cls = pkgutil.resolve_name(owner)
         assert not hasattr(cls, attr), f"SGLang now defines {p.name} itself"
         assert attr not in Path(inspect.getfile(cls)).read_text(), f"SGLang now uses {attr}"
+
+
+def test_ngram_verify_builds_its_full_mask_only_under_the_global_the_worker_turns_off():
+    """The DSpark worker skips the n-gram path's per-request CUDA mask by clearing
+    ``USE_FULL_MASK`` around ``_prepare_for_speculative_decoding``: that only works while the
+    method reads the global at call time to decide."""
+    src = _class_source("sglang.srt.speculative.ngram_worker.NGRAMWorker")
+    verify = src[src.index("def _prepare_for_speculative_decoding(") :].split("\n    def ", 1)[0]
+    gates = re.findall(r"if USE_FULL_MASK and not _is_cpu:", verify)
+    assert len(gates) == 2, "the n-gram verify no longer gates its full mask on USE_FULL_MASK"
+    worker = Path(importlib.util.find_spec("sgl_atom.speculative.dspark.worker").origin)
+    assert "ngram_worker.USE_FULL_MASK = False" in worker.read_text()
 
 
 def test_ngram_verify_calls_the_overridden_draft_token_hook():

@@ -40,6 +40,7 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get_schedule, get_spec
+from sglang.srt.speculative import ngram_worker
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
@@ -262,6 +263,20 @@ class AtomDSparkWorker(NGRAMWorker):
         tokens = torch.cat([anchors[:, None], drafts], dim=1)
         chain = np.tril(np.ones((n, n), dtype=bool))
         return tokens.reshape(-1).cpu().numpy(), np.tile(chain.reshape(-1), bs)
+
+    def _prepare_for_speculative_decoding(self, batch: ScheduleBatch) -> None:
+        """SGLang's n-gram verify input, without its full verify mask. On CUDA the n-gram path
+        also builds a [k + 1, context + k + 1] mask per request (``USE_FULL_MASK``: a tensor of
+        ones per request and a concatenation each, in a Python loop, at every step) for the
+        attention backends that read one; the atom backend, which ATOM_DSPARK requires, reads
+        none (a chain verify is causal), so that work is skipped, as SGLang itself skips it on
+        CPU. The scheduler is one thread: the module global is restored before returning."""
+        full = ngram_worker.USE_FULL_MASK
+        ngram_worker.USE_FULL_MASK = False
+        try:
+            super()._prepare_for_speculative_decoding(batch)
+        finally:
+            ngram_worker.USE_FULL_MASK = full
 
     @staticmethod
     def _max_seq_len(batch: ScheduleBatch) -> int:
