@@ -499,7 +499,7 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
             server_args(extra, loads, 1, cpu, mem_fraction=share),
             env=pair_env,
             name=f"pd-{role}",
-        )  # fmt: skip
+        )
         for role, (extra, share) in roles.items()
     }
     try:
