@@ -93,7 +93,7 @@ class M3Reference:
             h = h + self._attention(i, x, dense, holder, trace)
             x = gemma_rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
             h = h + (
-                self._moe(p + "mlp.", x)
+                self._moe(p + "mlp.", x, trace)
                 if self.cfg["moe_layer_freq"][i]
                 else self._mlp(p + "mlp.", x)
             )
@@ -156,15 +156,20 @@ class M3Reference:
         g, u = x @ w[p + "gate_proj.weight"].T, x @ w[p + "up_proj.weight"].T
         return (torch.nn.functional.silu(g) * u) @ w[p + "down_proj.weight"].T
 
-    def _moe(self, p, x):
+    def _moe(self, p, x, trace: dict | None = None):
         c, w = self.cfg, self.weights
-        weights, ids = route(
+        logits, bias = (
             x.float() @ w[p + "gate.weight"].float().T,
             w.get(p + "e_score_correction_bias"),
-            c["num_experts_per_tok"],
-            c.get("scoring_func", "softmax"),
-            float(c.get("routed_scaling_factor", 1.0)),
         )
+        top_k, scoring = c["num_experts_per_tok"], c.get("scoring_func", "softmax")
+        weights, ids = route(
+            logits, bias, top_k, scoring, float(c.get("routed_scaling_factor", 1.0))
+        )
+        if trace is not None:
+            gap = route_margin(logits, bias, top_k, scoring)
+            seen = trace.get("route_gap")
+            trace["route_gap"] = gap if seen is None else torch.minimum(seen, gap)
         out = torch.zeros_like(x)
         for e in range(c["num_local_experts"]):
             rows, slot = (ids == e).nonzero(as_tuple=True)
@@ -181,11 +186,25 @@ class M3Reference:
 def route(logits, bias, top_k: int, scoring: str, scale: float):
     """(weights [tokens, top_k] float32, expert ids [tokens, top_k]): pick by score + bias,
     weigh by the unbiased score, renormalise, times the routed scaling factor."""
-    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
-    choice = scores if bias is None else scores + bias.float()[None]
+    choice, scores = _choice(logits, bias, scoring)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     return weights / weights.sum(-1, keepdim=True) * scale, ids
+
+
+def route_margin(logits, bias, top_k: int, scoring: str) -> torch.Tensor:
+    """Per token, the last picked expert's choice score minus the best one left out (float64;
+    inf where every expert is picked): how close `route` is to picking another expert."""
+    choice, _ = _choice(logits, bias, scoring)
+    if choice.shape[-1] <= top_k:
+        return torch.full((choice.shape[0],), float("inf"), dtype=torch.float64)
+    top = choice.topk(top_k + 1, dim=-1).values
+    return (top[:, top_k - 1] - top[:, top_k]).double()
+
+
+def _choice(logits, bias, scoring: str):
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    return (scores if bias is None else scores + bias.float()[None]), scores
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

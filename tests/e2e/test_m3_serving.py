@@ -41,12 +41,18 @@ SKIP_LINE = re.compile(r"(\d+) of (\d+) visible \(token, head\) blocks attended,
 ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
 # fp8 KV: three blocks, so tokens past 256 skip the middle one (topk 2 = init + local)
 FP8_TOKENS = 300
-# fp8 server vs float64 reference, measured: mean |dlogp| 0.019, 95% within 0.05, max 0.19;
-# vs the bf16 server: mean 0.019, max 0.08-0.09. e4m3 keeps 3 mantissa bits, so K, V and the index
-# keys move by up to ~6% per element (one scale per token and head): a small shift on every
-# position, and the bf16 run's near-ties in expert routing on top when compared with float64.
+# fp8 server vs float64 reference, measured (CPU, 2026-12-02): mean |dlogp| 0.009, 98.3% within
+# 0.05, max 0.16; vs the bf16 server: mean 0.010, max 0.16. e4m3 keeps 3 mantissa bits, so K, V
+# and the index keys move by up to ~6% per element (one scale per token and head): a small shift
+# on every position, and near-ties in expert routing on top.
 FP8_TOL_MEAN, FP8_TOL_BULK, FP8_BULK_FRACTION, FP8_TOL_MAX = 0.03, 0.05, 0.9, 0.3
-FP8_VS_BF16_MAX = 0.15
+# fp8 vs the bf16 server: within 0.15 except where the float64 reference's expert routing is a
+# near-tie (the last picked expert within ROUTE_TIE of the best one left out, in the router's
+# choice score, at some MoE layer): there fp8's small shift can pick another expert and move the
+# position by ~0.16 on its own (measured on CPU, 2026-12-02: the two positions at 0.15 and past
+# it have margins 1.3e-3 and 9e-5; 21 of 300 positions are within 3e-3). At most
+# ROUTE_TIE_SHARE of the positions may be past 0.15, and none where routing is clear.
+FP8_VS_BF16_MAX, ROUTE_TIE, ROUTE_TIE_SHARE = 0.15, 5e-3, 0.03
 # top-k covering every block vs dense: a 3-block prompt plus greedy tokens that stay in it. The
 # random tiny model has flat logits (top-2 gaps of 0.001 occur), and two bf16 kernels round
 # differently, so greedy equality is asked where the float64 reference has a clear winner at
@@ -173,20 +179,41 @@ def _abs_err(got: list[float], ref: torch.Tensor) -> torch.Tensor:
     return (torch.tensor(got, dtype=torch.float64) - ref[: len(got)]).abs()
 
 
+def route_margins(model, ids: list[int]) -> torch.Tensor:
+    """Per teacher-forced position (the logprob of ids[i + 1]), the float64 reference's smallest
+    expert-routing margin over the MoE layers at token i."""
+    trace: dict = {}
+    M3Reference.load(model).forward(torch.tensor(ids), trace=trace)
+    return trace["route_gap"][: len(ids) - 1]
+
+
+def fp8_vs_bf16_far(fp8: list[float], bf16: list[float], margins: torch.Tensor) -> tuple:
+    """(|fp8 - bf16| per position, [(position, |dlogp|, routing margin)] of the positions past
+    FP8_VS_BF16_MAX, the subset of those where the reference's routing is not a near-tie)."""
+    vs_bf16 = _abs_err(fp8, torch.tensor(bf16[: len(fp8)], dtype=torch.float64))
+    far = [(i, round(float(vs_bf16[i]), 4), float(f"{margins[i]:.2e}"))
+           for i in (vs_bf16 > FP8_VS_BF16_MAX).nonzero()[:, 0].tolist()]  # fmt: skip
+    return vs_bf16, far, [f for f in far if f[2] >= ROUTE_TIE]
+
+
 def test_fp8_kv_logprobs_match_reference(served_fp8, served, model, prompt, report):
     ref = M3Reference.load(model).logprobs(torch.tensor(prompt[:FP8_TOKENS]))
     err = _abs_err(served_fp8[0], ref)
-    vs_bf16 = _abs_err(served_fp8[0], torch.tensor(served[0], dtype=torch.float64))
+    margins = route_margins(model, prompt[:FP8_TOKENS])
+    vs_bf16, far, unexplained = fp8_vs_bf16_far(served_fp8[0], served[0], margins)
     bulk = (err <= FP8_TOL_BULK).double().mean().item()
     report(
         f"m3 fp8 KV server vs float64 reference ({FP8_TOKENS} tokens): max |dlogp| "
         f"{err.max():.4f}, mean {err.mean():.4f}, within {FP8_TOL_BULK}: {bulk:.1%}; "
-        f"vs bf16 server: max {vs_bf16.max():.4f}, mean {vs_bf16.mean():.4f}"
+        f"vs bf16 server: max {vs_bf16.max():.4f}, mean {vs_bf16.mean():.4f}; past "
+        f"{FP8_VS_BF16_MAX} (position, |dlogp|, routing margin): {far}"
     )
     assert err.mean() <= FP8_TOL_MEAN, f"mean |dlogp| {err.mean():.4f}"
     assert bulk >= FP8_BULK_FRACTION, f"only {bulk:.1%} of positions within {FP8_TOL_BULK}"
     assert err.max() <= FP8_TOL_MAX, f"max |dlogp| {err.max():.4f} at {int(err.argmax())}"
-    assert vs_bf16.max() <= FP8_VS_BF16_MAX, f"fp8 vs bf16 max |dlogp| {vs_bf16.max():.4f}"
+    assert vs_bf16.max() <= FP8_TOL_MAX, f"fp8 vs bf16 max |dlogp| {vs_bf16.max():.4f}"
+    assert not unexplained, f"fp8 moved from bf16 past {FP8_VS_BF16_MAX} at clear routing"
+    assert len(far) <= ROUTE_TIE_SHARE * len(vs_bf16), f"too many near-tie moves: {far}"
 
 
 def test_fp8_kv_sparse_layers_skip_blocks(served_fp8, report):

@@ -132,3 +132,29 @@ def test_moe_block_matches_float64(context, path, seed):
         out = moe(x.clone())
     assert out.dtype == torch.bfloat16 and out.shape == (TOKENS, HIDDEN)
     assert _rel_err(out, ref) < TOL, f"relative error {_rel_err(out, ref):.4f}"
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_margin_is_the_gap_to_the_first_expert_left_out(scoring):
+    """The e2e's fp8-vs-bf16 rule trusts this margin to name expert-routing near-ties: it is the
+    last picked expert's choice score minus the best unpicked one's, computed here by hand, and
+    0 where two experts tie across the cut."""
+    from m3_reference import route_margin
+
+    torch.manual_seed(0)
+    logits, bias = torch.randn(6, 8), torch.randn(8) * 0.1
+    logits[5, 2] = logits[5, 6] = 3.0  # one token with a tie across the top-2 cut
+    bias[2] = bias[6] = 0.0
+    logits[5, [0, 1, 3, 4, 5, 7]] = -5.0
+    logits[5, 0] = 4.0  # picked first; experts 2 and 6 tie for the second pick
+    margin = route_margin(logits, bias, 2, scoring)
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    choice = scores + bias
+    _, ids = route(logits, bias, 2, scoring, 1.0)
+    for t in range(6):
+        picked = choice[t, ids[t]].min()
+        left = choice[t, [e for e in range(8) if e not in ids[t].tolist()]].max()
+        assert margin[t].item() == pytest.approx(float(picked - left), abs=1e-7)
+    assert margin[5].item() == 0.0
+    assert (margin[:5] > 0).all()
+    assert route_margin(logits, bias, 8, scoring).isinf().all()
