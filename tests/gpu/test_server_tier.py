@@ -10,8 +10,9 @@ chunks, prompts up to ~60 words) and the radix cache are on; the teacher-forced 
 prompt + greedy continuation, so it runs on radix-cache prefix hits through the extend kernel
 with a cached prefix; generation runs through the decode kernel inside captured CUDA graphs.
 
-The feature issues beside this tier (DSpark, the M3 model, P/D on the GPU) have their tests at
-the end; one that is known to fail is ``xfail(strict=True)`` naming its issue.
+The features (ATOM_DSPARK with bf16 and fp8 draft pools, a P/D pair, the M3 class) have their
+tests at the end; the servers that the selected ones need start side by side in one go, each
+capped by ``--max-total-tokens``.
 """
 
 from __future__ import annotations
@@ -143,70 +144,114 @@ def test_fp8_per_token_scales_beat_upstream_per_tensor(runs, report, name):
     assert agree >= 0.5
 
 
-# ---- feature issues: each runs for real and is expected to fail until its issue lands ----
+# ---- the features: DSpark, P/D, the M3 class ----
 
-SPEC_ARGS = ["--dtype", "bfloat16", "--attention-backend", "atom", "--chunked-prefill-size", "32"]
+# each server below is capped by --max-total-tokens, so they all share the card at once
+SPEC_ARGS = [
+    "--dtype", "bfloat16",
+    "--attention-backend", "atom",
+    "--chunked-prefill-size", "32",
+    "--max-total-tokens", "8192",
+]  # fmt: skip
 SPEC_PROMPTS = word_prompts(8, seed=7, min_words=4, max_words=24)
+DSPARK_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
+PD_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
+# which servers each feature test asks for (by test function, then parameter)
+FEATURE_NEEDS = {
+    "test_dspark_lossless_on_gpu": lambda param: ("dspark-baseline", f"dspark-{param}"),
+    "test_pd_pair_on_one_gpu": lambda param: ("dspark-baseline", "pd-prefill", "pd-decode"),
+    "test_m3_tiny_matches_float64_reference": lambda param: ("m3-bf16", "m3-fp8"),
+    "test_m3_tiny_fp8_kv_and_index_keys": lambda param: ("m3-bf16", "m3-fp8"),
+}
+
+
+def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
+    """Every feature server: name -> (checkpoint, args, env)."""
+    from test_disagg_serving import DECODE_ARGS
+    from test_m3_serving import ARGS, ENV
+
+    from sgl_atom.speculative.dspark.algorithm import NAME
+    from sgl_atom.testing.pd import prefill_args
+    from sgl_atom.testing.server import free_port
+
+    target = tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
+    m3 = tiny.build(cache_dir() / "tiny" / "m3", "m3")
+    # decode lines every 4 steps: SGLang's default (40) logs none in 24 tokens
+    m3_args = [*ARGS, "--max-total-tokens", "8192", "--decode-log-interval", "4"]
+    jobs = {
+        "dspark-baseline": (target, SPEC_ARGS, {}),
+        "pd-prefill": (target, [*SPEC_ARGS, *prefill_args(bootstrap_port),
+                                "--nccl-port", str(free_port())], PD_ENV),
+        "pd-decode": (target, [*SPEC_ARGS, *DECODE_ARGS,
+                               "--nccl-port", str(free_port())], PD_ENV),
+        "m3-bf16": (m3, m3_args, ENV),
+        "m3-fp8": (m3, [*m3_args, "--kv-cache-dtype", "fp8_e4m3"], ENV),
+    }  # fmt: skip
+    for dtype in ("bf16", "fp8"):
+        spec = [
+            "--speculative-algorithm", NAME,
+            "--speculative-draft-model-path", str(DSPARK_CHAIN),
+            "--spec-decode-kv-cache-dtype", dtype,
+        ]  # fmt: skip
+        jobs[f"dspark-{dtype}"] = (target, [*SPEC_ARGS, *spec], DSPARK_ENV)
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def chain_baseline(gpu_servers):
+def feature_servers(request, gpu_servers) -> dict:
+    """The servers that this run's selected feature tests need, started side by side in one go
+    (one start-up wait for all of them instead of one per test): name -> Server, plus
+    "bootstrap_port" of the P/D prefill server. Each test stops the servers it is done with;
+    the pool stops any left at module teardown."""
+    from sgl_atom.testing.server import free_port
+
+    wanted: set[str] = set()
+    for item in request.session.items:
+        need = FEATURE_NEEDS.get(getattr(item, "originalname", item.name))
+        if need is not None:
+            callspec = getattr(item, "callspec", None)
+            wanted.update(need(next(iter(callspec.params.values())) if callspec else None))
+    bootstrap_port = free_port()
+    jobs = {n: job for n, job in _feature_jobs(bootstrap_port).items() if n in wanted}
+    servers = gpu_servers.start_many(jobs, timeout=600) if jobs else {}
+    return {**servers, "bootstrap_port": bootstrap_port}
+
+
+@pytest.fixture(scope="module")
+def chain_baseline(feature_servers):
     """The word-chain target and its greedy outputs without speculation."""
-    target = tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
-    plain = gpu_servers.start(target, SPEC_ARGS, name="dspark-baseline")
+    plain = feature_servers["dspark-baseline"]
     want = [o["output_ids"] for o in plain.generate(SPEC_PROMPTS, max_new_tokens=32)]
     plain.stop()
-    return target, want
+    return want
 
 
 @pytest.mark.parametrize("draft_dtype", ["bf16", "fp8"])
-def test_dspark_lossless_on_gpu(gpu_servers, chain_baseline, draft_dtype):
-    from sgl_atom.speculative.dspark.algorithm import NAME
-
-    target, want = chain_baseline
-    spec = [
-        "--speculative-algorithm", NAME,
-        "--speculative-draft-model-path", str(DSPARK_CHAIN),
-        "--spec-decode-kv-cache-dtype", draft_dtype,
-    ]  # fmt: skip
-    env = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
-    srv = gpu_servers.start(target, [*SPEC_ARGS, *spec], env=env, name=f"dspark-{draft_dtype}")
+def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype):
+    srv = feature_servers[f"dspark-{draft_dtype}"]
     try:
         got = [o["output_ids"] for o in srv.generate(SPEC_PROMPTS, max_new_tokens=32)]
         log = srv.log_text()
     finally:
         srv.stop()
-    assert got == want
+    assert got == chain_baseline
     # the draft's pass runs as replayed CUDA graphs (draft_graphs.py), the verify in SGLang's
     assert "ATOM_DSPARK draft CUDA graphs: captured" in log, log[-3000:]
     replayed = [int(n) for n in re.findall(r"draft passes: (\d+) replayed", log)]
     assert replayed and sum(replayed) > 0, log[-3000:]
 
 
-def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
+def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
     """A prefill and a decode server on one card (each capped by --max-total-tokens), atom
     backend and atom transfer backend (NIXL, GPU pools): every greedy output equals the unified
     server's. The requests carry the bootstrap fields as SGLang's PD router sends them (the
     router binary is not carried to the device)."""
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not importable here: carry part 3 of the GPU bundle")
-    from test_disagg_serving import DECODE_ARGS, MAX_NEW, _direct_pd
+    from test_disagg_serving import MAX_NEW, _direct_pd
 
-    from sgl_atom.testing.pd import prefill_args
-    from sgl_atom.testing.server import free_port
-
-    target, want = chain_baseline
-    env = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
-    bp = free_port()
-    cap = ["--max-total-tokens", "8192"]
-    jobs = {
-        "pd-prefill": (target, [*SPEC_ARGS, *cap, *prefill_args(bp),
-                                "--nccl-port", str(free_port())], env),
-        "pd-decode": (target, [*SPEC_ARGS, *cap, *DECODE_ARGS,
-                               "--nccl-port", str(free_port())], env),
-    }  # fmt: skip
-    servers = gpu_servers.start_many(jobs, timeout=600)
-    prefill, decode = servers["pd-prefill"], servers["pd-decode"]
+    prefill, decode = feature_servers["pd-prefill"], feature_servers["pd-decode"]
+    bp, want = feature_servers["bootstrap_port"], chain_baseline
     try:
         t0 = time.time()
         pending = [_direct_pd(prefill, bp, decode, p, 9000 + i) for i, p in enumerate(SPEC_PROMPTS)]
@@ -227,31 +272,31 @@ def test_pd_pair_on_one_gpu(gpu_servers, chain_baseline, report):
 
 
 @pytest.fixture(scope="module")
-def m3_gpu(gpu_servers) -> dict[str, dict]:
+def m3_gpu(feature_servers) -> dict[str, dict]:
     """The tiny ``m3`` checkpoint served by sgl_atom's M3 class at bf16 and fp8 KV (fp8 index
     keys), side by side: teacher-forced log-probs of the CPU e2e's prompts, 24 greedy tokens
     through the captured decode graphs, the server log."""
-    from test_m3_serving import ARGS, DECODE_TOKENS, ENV, FP8_TOKENS, PROMPT_TOKENS
+    from test_m3_serving import DECODE_TOKENS, FP8_TOKENS, PROMPT_TOKENS
     from transformers import AutoTokenizer
 
     model = tiny.build(cache_dir() / "tiny" / "m3", "m3")
     tok = AutoTokenizer.from_pretrained(model)
     text = " ".join(word_prompts(40, seed=3, min_words=20, max_words=40))
     prompt = tok(text)["input_ids"][:PROMPT_TOKENS]
-    # decode lines every 4 steps: SGLang's default (40) logs none in 24 tokens
-    args = [*ARGS, "--max-total-tokens", "8192", "--decode-log-interval", "4"]
-    jobs = {
-        "m3-bf16": (model, args, ENV),
-        "m3-fp8": (model, [*args, "--kv-cache-dtype", "fp8_e4m3"], ENV),
-    }
-    servers = gpu_servers.start_many(jobs, timeout=600)
-    out = {}
-    for name, ids in (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS])):
-        srv = servers[name]
-        logprobs = teacher_forced_logprobs(srv, [ids])[0]
-        greedy_from_ids(srv, [ids], DECODE_TOKENS)
-        out[name] = {"logprobs": logprobs, "prompt": ids, "log": srv.log_text()}
-    gpu_servers.stop_all()
+
+    def answer(name: str, ids: list[int]) -> dict:
+        srv = feature_servers[name]
+        try:
+            logprobs = teacher_forced_logprobs(srv, [ids])[0]
+            greedy_from_ids(srv, [ids], DECODE_TOKENS)
+            return {"logprobs": logprobs, "prompt": ids, "log": srv.log_text()}
+        finally:
+            srv.stop()
+
+    with ThreadPoolExecutor(2) as ex:
+        futs = {n: ex.submit(answer, n, ids)
+                for n, ids in (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS]))}  # fmt: skip
+        out: dict = {n: f.result() for n, f in futs.items()}
     out["model"] = model
     return out
 
