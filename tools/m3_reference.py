@@ -79,11 +79,16 @@ class M3Reference:
         return cls(cfg, weights, sparse, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, dense: bool = False, trace: dict | None = None
+        self,
+        input_ids: torch.Tensor,
+        dense: bool = False,
+        trace: dict | None = None,
+        margins: list | None = None,
     ) -> torch.Tensor:
         """Logits [tokens, vocab] of one sequence at positions 0..; ``dense`` makes every layer
         attend causally to everything; ``trace`` (a dict) receives each sparse layer's
-        ``(selected, count)``."""
+        ``(selected, count)``; ``margins`` (a list) receives each MoE layer's routing margins
+        (``route_margin``)."""
         w, eps = self.weights, self.cfg["rms_norm_eps"]
         h = w["model.embed_tokens.weight"][input_ids.long()]
         holder: list = []
@@ -93,7 +98,7 @@ class M3Reference:
             h = h + self._attention(i, x, dense, holder, trace)
             x = gemma_rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
             h = h + (
-                self._moe(p + "mlp.", x, trace)
+                self._moe(p + "mlp.", x, margins)
                 if self.cfg["moe_layer_freq"][i]
                 else self._mlp(p + "mlp.", x)
             )
@@ -104,6 +109,14 @@ class M3Reference:
         """Teacher-forced log-probs [tokens - 1] of input_ids[1:] given the prefix."""
         logp = self.forward(input_ids, **kw).log_softmax(-1)
         return logp[:-1].gather(-1, input_ids[1:].long()[:, None])[:, 0]
+
+    def route_margins(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per token, the smallest expert-routing margin over the MoE layers (the last chosen
+        expert's choice score minus the best unchosen one's): where it is small, rounding
+        elsewhere can pick another expert."""
+        margins: list = []
+        self.forward(input_ids, margins=margins)
+        return torch.stack(margins).min(0).values
 
     # ---- attention ----
     def _heads(self, x, name, heads, dim):
@@ -156,7 +169,7 @@ class M3Reference:
         g, u = x @ w[p + "gate_proj.weight"].T, x @ w[p + "up_proj.weight"].T
         return (torch.nn.functional.silu(g) * u) @ w[p + "down_proj.weight"].T
 
-    def _moe(self, p, x, trace: dict | None = None):
+    def _moe(self, p, x, margins: list | None = None):
         c, w = self.cfg, self.weights
         logits, bias = (
             x.float() @ w[p + "gate.weight"].float().T,
@@ -166,10 +179,8 @@ class M3Reference:
         weights, ids = route(
             logits, bias, top_k, scoring, float(c.get("routed_scaling_factor", 1.0))
         )
-        if trace is not None:
-            gap = route_margin(logits, bias, top_k, scoring)
-            seen = trace.get("route_gap")
-            trace["route_gap"] = gap if seen is None else torch.minimum(seen, gap)
+        if margins is not None:
+            margins.append(route_margin(logits, bias, top_k, scoring))
         out = torch.zeros_like(x)
         for e in range(c["num_local_experts"]):
             rows, slot = (ids == e).nonzero(as_tuple=True)

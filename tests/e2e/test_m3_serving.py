@@ -182,9 +182,7 @@ def _abs_err(got: list[float], ref: torch.Tensor) -> torch.Tensor:
 def route_margins(model, ids: list[int]) -> torch.Tensor:
     """Per teacher-forced position (the logprob of ids[i + 1]), the float64 reference's smallest
     expert-routing margin over the MoE layers at token i."""
-    trace: dict = {}
-    M3Reference.load(model).forward(torch.tensor(ids), trace=trace)
-    return trace["route_gap"][: len(ids) - 1]
+    return M3Reference.load(model).route_margins(torch.tensor(ids))[: len(ids) - 1]
 
 
 def fp8_vs_bf16_far(fp8: list[float], bf16: list[float], margins: torch.Tensor) -> tuple:
