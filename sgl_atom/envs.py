@@ -118,6 +118,13 @@ SGL_ATOM_PD_TRANSFER_LOG = EnvVar(
     "atom P/D transfer backend, prefill side: one log line per request when its KV has landed "
     "(bytes written, NIXL descriptors, decode ranks, write time and rate).",
 )
+SGL_ATOM_PD_STAGING_MB = EnvVar(
+    "SGL_ATOM_PD_STAGING_MB",
+    128,
+    "atom P/D transfer backend, prefill side: MiB of the staging buffer through which a head cut "
+    "into a decode rank holding fewer heads is packed into whole decode pages (allocated at the "
+    "first such write, on the pool's device; 0: written span by span).",
+)
 SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
     "SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS",
     1000,
@@ -154,6 +161,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
     SGL_ATOM_PD_TRANSFER_LOG,
+    SGL_ATOM_PD_STAGING_MB,
     SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS,
     SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS,
     SGL_ATOM_REQUEST_CHECKS,

@@ -14,7 +14,8 @@ atom's own:
   rank asks for fails with that error: nothing is ever written to it.
 - Per room the decode rank sends a :class:`~sgl_atom.disagg.wire.TransferRequest` (its page ids
   and metadata row). Once all decode ranks the room needs have asked, each KV chunk the prefill
-  computes is written through NIXL span by span (head cuts included), bounds-checked against the
+  computes is written through NIXL (head cuts into a rank holding fewer heads packed into whole
+  pages through a staging buffer first: :mod:`sgl_atom.disagg.stage`), bounds-checked against the
   peer's declared buffers, then the room's outcome goes back on SGLang's status channel.
 - Each decode rank asks every prefill rank it shook hands with whether it is alive, on the same
   control sockets, listing the rooms it holds (:mod:`sgl_atom.disagg.heartbeat`): a silent
@@ -60,6 +61,7 @@ from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError
+from sgl_atom.disagg.stage import Stager, packs
 from sgl_atom.log import get_logger
 from sgl_atom.parallel_layout import heads_of_rank
 from sgl_atom.pool_state import peek, pool_with_transfer_buffer
@@ -358,6 +360,10 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         self.queue = FastQueue()
         self.log_transfers = envs.SGL_ATOM_PD_TRANSFER_LOG.get()
         self.room_stats: dict[int, TransferStats] = {}  # writer thread only
+        staging = envs.SGL_ATOM_PD_STAGING_MB.get()
+        if staging < 0:
+            raise ValueError(f"SGL_ATOM_PD_STAGING_MB={staging}: give MiB >= 0 (0: no staging)")
+        self.stager = Stager(self.engine, self.export.tensors, staging << 20)  # writer thread
         self._start_thread(self._producer_control_loop, "atom-pd-control")
         self._start_thread(self._producer_worker_loop, "atom-pd-worker")
         self.sender_rooms = set()
@@ -555,32 +561,44 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                     f"{req.consumer_rank} has {len(dst_pages)} there"
                 )
             t0 = time.perf_counter()
-            handles = self._post_kv(peer, src_pages, dst_pages)
+            abandon = partial(self._room_failed, chunk.room)
+            wait = partial(self.engine.wait, timeout_s=timeout, abandon=abandon)
+            landed, handles = self._post_kv(peer, src_pages, dst_pages, wait)
             if chunk.is_last_chunk and self.is_last_stage and chunk.prefill_aux_index is not None:
                 handles += self._post_aux(peer, int(chunk.prefill_aux_index), req.aux_index)
-            abandon = partial(self._room_failed, chunk.room)
             for h in handles:
-                self.engine.wait(h, timeout_s=timeout, abandon=abandon)
+                wait(h)
             stats = self.room_stats.setdefault(chunk.room, TransferStats())
-            stats.add(handles, time.perf_counter() - t0)
+            stats.add(landed + handles, time.perf_counter() - t0)
 
     def _room_failed(self, room: int) -> str | None:
         """Why a write for ``room`` is no longer worth waiting for: the room failed (its
         decode stopped answering heartbeats, or either side aborted it)."""
         return "the room failed" if self.check_status(room) == KVPoll.Failed else None
 
-    def _post_kv(self, peer: _Peer, src: list[int], dst: tuple[int, ...]) -> list[Any]:
+    def _post_kv(
+        self, peer: _Peer, src: list[int], dst: tuple[int, ...], wait: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """Post this chunk's KV writes to one decode rank: (handles already landed, handles in
+        flight). Head cuts that land as whole decode pages go packed through the staging buffer
+        (stage.py), in rounds when they outgrow it; the rest span by span."""
         if not src:
-            return []
-        out = []
+            return [], []
+        out, packed = [], []
         for pair in peer.plan.pairs:
+            addr = peer.hs.region_addrs[pair.consumer_index]
+            if self.stager.enabled and packs(pair):
+                packed.append((pair, addr))
+                continue
             spans = pair.spans(src, dst)
             if spans:
-                addr = peer.hs.region_addrs[pair.consumer_index]
                 out.append(
                     self.engine.write(peer.hs.agent_name, spans, f"r{pair.producer_index}", addr)
                 )
-        return out
+        if not packed:
+            return [], out
+        landed, pending = self.stager.write(peer.hs.agent_name, packed, src, dst, wait)
+        return landed, out + pending
 
     def _post_aux(self, peer: _Peer, src_row: int, dst_row: int) -> list[Any]:
         if dst_row < 0:

@@ -317,6 +317,8 @@ def test_pp2_prefill_into_tp2_decode_splits_heads(parallel, expected, report):
     assert re.search(r"pp 0/2: 6 regions \(layers 0\.\.2\), 0 of them draft", log), log[-3000:]
     assert re.search(r"pp 1/2: 10 regions \(layers 3\.\.3\), 8 of them draft", log), log[-3000:]
     assert len(re.findall(r"accepted decode rank tp [01]/2 .*split", log)) == 4
+    # the split heads go packed into whole decode pages (stage.py), and the outputs above match
+    assert "head cuts are packed through a 128 MiB staging buffer" in log, log[-3000:]
 
 
 def test_tp2_prefill_into_tp1_decode_merges_heads(pd, parallel, expected, report):
