@@ -77,6 +77,18 @@ def _recv(conn, timeout_s: float):
     return conn.recv()
 
 
+def _assert_landed(src: dict, got: dict) -> None:
+    """Decode rank 1 of 2 holds heads 2..3 of SRC_PAGES at DST_PAGES, and nothing else."""
+    for k in "kv":
+        want = torch.zeros(PAGES * PAGE, HEADS // 2, DIM, dtype=torch.bfloat16)
+        for sp, dp in zip(SRC_PAGES, DST_PAGES, strict=True):
+            want[dp * PAGE : (dp + 1) * PAGE] = src[k][sp * PAGE : (sp + 1) * PAGE, 2:]
+        out = torch.from_numpy(got[k])
+        assert torch.equal(out, want.view(torch.int16)), f"region {k}"
+        untouched = [p for p in range(PAGES) if p not in DST_PAGES]
+        assert not out.view(PAGES, -1)[untouched].any(), f"region {k}: stray bytes"
+
+
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():
     import numpy as np
 
@@ -104,14 +116,7 @@ def test_write_tp1_to_tp2_head_split_lands_exact_bytes():
     finally:
         producer.close()
         _stop(proc)
-    for k in "kv":
-        want = torch.zeros(PAGES * PAGE, HEADS // 2, DIM, dtype=torch.bfloat16)
-        for sp, dp in zip(SRC_PAGES, DST_PAGES, strict=True):
-            want[dp * PAGE : (dp + 1) * PAGE] = src[k][sp * PAGE : (sp + 1) * PAGE, 2:]
-        out = torch.from_numpy(got[k])
-        assert torch.equal(out, want.view(torch.int16)), f"region {k}"
-        untouched = [p for p in range(PAGES) if p not in DST_PAGES]
-        assert not out.view(PAGES, -1)[untouched].any(), f"region {k}: stray bytes"
+    _assert_landed(src, got)
 
 
 def test_write_refuses_spans_outside_the_regions():
@@ -246,14 +251,7 @@ def test_packed_head_split_lands_exact_bytes_in_fewer_descriptors():
     finally:
         producer.close()
         _stop(proc)
-    for k in "kv":
-        want = torch.zeros(PAGES * PAGE, HEADS // 2, DIM, dtype=torch.bfloat16)
-        for sp, dp in zip(SRC_PAGES, DST_PAGES, strict=True):
-            want[dp * PAGE : (dp + 1) * PAGE] = src[k][sp * PAGE : (sp + 1) * PAGE, 2:]
-        out = torch.from_numpy(got[k])
-        assert torch.equal(out, want.view(torch.int16)), f"region {k}"
-        untouched = [p for p in range(PAGES) if p not in DST_PAGES]
-        assert not out.view(PAGES, -1)[untouched].any(), f"region {k}: stray bytes"
+    _assert_landed(src, got)
 
 
 def test_staging_refuses_a_page_larger_than_its_buffer():
