@@ -10,7 +10,7 @@ gathered into a staging buffer in the decode rank's page layout (``kernels/kv_tr
 contiguous writes, coalesced across pages that follow each other on the decode side.
 
 Packed: split pairs whose decode rank takes all its heads from this producer rank at the same
-page geometry (``PairPlan.packs``). Everything else (whole pages, merges, regrouping, replicated
+page geometry (:func:`packs`). Everything else (whole pages, merges, regrouping, replicated
 regions, different page sizes) is written span by span as before. The staging buffer
 (``SGL_ATOM_PD_STAGING_MB``, 0: off) is allocated and registered with NIXL at the first packed
 write, on the pool's device, and reused: a chunk larger than the buffer is written in rounds,

@@ -154,7 +154,6 @@ SPEC_ARGS = [
     "--max-total-tokens", "8192",
 ]  # fmt: skip
 SPEC_PROMPTS = word_prompts(8, seed=7, min_words=4, max_words=24)
-DSPARK_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
 PD_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
 # which servers each feature test asks for (by test function, then parameter)
 FEATURE_NEEDS = {
@@ -168,7 +167,7 @@ FEATURE_NEEDS = {
 def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
     """Every feature server: name -> (checkpoint, args, env)."""
     from test_disagg_serving import DECODE_ARGS
-    from test_m3_serving import ARGS, ENV
+    from test_m3_serving import ARGS, ENV  # ENV: sgl_atom.models, for M3 and the DSpark draft
 
     from sgl_atom.speculative.dspark.algorithm import NAME
     from sgl_atom.testing.pd import prefill_args
@@ -193,7 +192,7 @@ def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
             "--speculative-draft-model-path", str(DSPARK_CHAIN),
             "--spec-decode-kv-cache-dtype", dtype,
         ]  # fmt: skip
-        jobs[f"dspark-{dtype}"] = (target, [*SPEC_ARGS, *spec], DSPARK_ENV)
+        jobs[f"dspark-{dtype}"] = (target, [*SPEC_ARGS, *spec], ENV)
     return jobs
 
 

@@ -7,6 +7,7 @@ buffers back for checking.
 
 import multiprocessing as mp
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -89,6 +90,25 @@ def _assert_landed(src: dict, got: dict) -> None:
         assert not out.view(PAGES, -1)[untouched].any(), f"region {k}: stray bytes"
 
 
+@contextmanager
+def _head_split(names: tuple[str, str], seed: int):
+    """A producer engine with random bf16 K/V registered as ``names`` and a consumer process
+    holding 2 of the 4 heads, waiting for b"kv-done": (producer, src, the consumer's {k|v:
+    (address, bytes)}, its pipe)."""
+    torch.manual_seed(seed)
+    src = {k: torch.randn(PAGES * PAGE, HEADS, DIM).to(torch.bfloat16) for k in "kv"}
+    proc, conn = _spawn(HEADS // 2, b"kv-done")
+    producer = NixlEngine("producer")
+    try:
+        meta, dst = _recv(conn, 30)
+        producer.register({name: src[k] for name, k in zip(names, "kv", strict=True)})
+        producer.add_peer("consumer", meta, regions=dict(dst.values()))
+        yield producer, src, dst, conn
+    finally:
+        producer.close()
+        _stop(proc)
+
+
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():
     import numpy as np
 
@@ -99,23 +119,13 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
 def test_write_tp1_to_tp2_head_split_lands_exact_bytes():
     plan = plan_transfer(_regions(0, 1), 0, 1, _regions(1, 2), 1, 2)
     assert [p.mode for p in plan.pairs] == ["split", "split"]
-    torch.manual_seed(0)
-    src = {k: torch.randn(PAGES * PAGE, HEADS, DIM).to(torch.bfloat16) for k in "kv"}
-    proc, conn = _spawn(HEADS // 2, b"kv-done")
-    producer = NixlEngine("producer")
-    try:
-        meta, dst = _recv(conn, 30)
-        producer.register(src)
-        producer.add_peer("consumer", meta, regions=dict(dst.values()))
+    with _head_split(("k", "v"), 0) as (producer, src, dst, conn):
         for name, pair in zip("kv", plan.pairs, strict=True):
             spans = pair.spans(SRC_PAGES, DST_PAGES)
             notif = b"kv-done" if name == "v" else b""
             producer.wait(producer.write("consumer", spans, name, dst[name][0], notif), 10)
         got = _recv(conn, 20)
         assert got is not None, "consumer saw no notification"
-    finally:
-        producer.close()
-        _stop(proc)
     _assert_landed(src, got)
 
 
@@ -221,15 +231,8 @@ def test_packed_head_split_lands_exact_bytes_in_fewer_descriptors():
 
     plan = plan_transfer(_regions(0, 1), 0, 1, _regions(1, 2), 1, 2)
     assert all(packs(p) for p in plan.pairs)
-    torch.manual_seed(1)
-    src = {k: torch.randn(PAGES * PAGE, HEADS, DIM).to(torch.bfloat16) for k in "kv"}
-    proc, conn = _spawn(HEADS // 2, b"kv-done")
-    producer = NixlEngine("producer")
     waited = []
-    try:
-        meta, dst = _recv(conn, 30)
-        producer.register({f"r{i}": src[k] for i, k in enumerate("kv")})
-        producer.add_peer("consumer", meta, regions=dict(dst.values()))
+    with _head_split(("r0", "r1"), 1) as (producer, src, dst, conn):
         stager = Stager(producer, [src["k"], src["v"]], 2 * plan.pairs[0].dst_page_bytes)
         jobs = [(pair, dst[k][0]) for k, pair in zip("kv", plan.pairs, strict=True)]
 
@@ -248,9 +251,6 @@ def test_packed_head_split_lands_exact_bytes_in_fewer_descriptors():
         producer.wait(producer.write("consumer", first, "r0", dst["k"][0], b"kv-done"), 10)
         got = _recv(conn, 20)
         assert got is not None, "consumer saw no notification"
-    finally:
-        producer.close()
-        _stop(proc)
     _assert_landed(src, got)
 
 
