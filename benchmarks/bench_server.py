@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -307,8 +308,11 @@ def run_spec_workload(
 
 
 def server_args(
-    backend_args, workloads, output, cpu=False, log_interval=0, mem_fraction="0.85"
+    backend_args, workloads, output, cpu=False, log_interval=0, mem_fraction="0.85", capped=False
 ) -> list[str]:
+    """``capped``: the KV pool holds the workloads' largest batch and no more, so servers sharing
+    the card can start side by side (SGLang sizes an uncapped pool from the memory free when it
+    starts)."""
     max_bs = max(b for b, _ in workloads)
     ctx = max(p for _, p in workloads) + output + 64
     args = [
@@ -325,9 +329,11 @@ def server_args(
         "--max-running-requests",
         str(max_bs),
     ]
-    if cpu:  # SGLang's CPU engine would size the pool from host memory
-        args += ["--max-total-tokens", str(max(4096, max_bs * ctx))]
-    else:
+    if cpu or capped:  # SGLang's CPU engine would size the pool from host memory
+        # room past the batch: a P/D decode server admits a request only with its reserved
+        # decode tokens (SGLang's --num-reserved-decode-tokens, 512) free beside it
+        args += ["--max-total-tokens", str(max(4096, max_bs * ctx + 1024))]
+    if not cpu:
         args += ["--cuda-graph-max-bs-decode", str(max_bs), "--mem-fraction-static", mem_fraction]
     if log_interval:
         args += ["--decode-log-interval", str(log_interval)]
@@ -433,7 +439,7 @@ def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     if args.m3_kv == "fp8":
         backend += ["--kv-cache-dtype", "fp8_e4m3"]
     rows: list[Row] = []
-    for kind in ("sparse", "dense"):
+    for kind in args.m3_kinds.split(","):
         path = m3.write_m3(root, args.m3_layers, kind == "dense", tiny=args.cpu_smoke)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         srv_args = server_args(backend, workloads, args.output, args.cpu_smoke, 4)
@@ -476,37 +482,34 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
                    ttft_s=round(figures.pop("ttft_s"), 4), byte_limit_tok_s=0.0, run=run_id,
                    extra={"pd": kind, **figures})  # fmt: skip
 
+    bp = free_port()
+    pair_env = {**env, **pd.PAIR_ENV}
+    roles = {
+        "unified": (base, env),
+        "prefill": ([*base, *prefill_args(bp), "--nccl-port", str(free_port())], pair_env),
+        "decode": ([*base, *decode_args(cpu), "--nccl-port", str(free_port())], pair_env),
+    }
+    # side by side, each pool capped to the workloads' size (pd.py): one start-up wait, not three
+    servers = {
+        role: Server(
+            path, server_args(extra, loads, 1, cpu, capped=True), env=role_env, name=f"pd-{role}"
+        )  # fmt: skip
+        for role, (extra, role_env) in roles.items()
+    }
     rows: list[Row] = []
-    with started(path, server_args(base, loads, 1, cpu), f"{model}_pd-unified", env, args.logs,
-                 256) as srv:  # fmt: skip
+    try:
+        with ThreadPoolExecutor(len(servers)) as ex:
+            for fut in [ex.submit(srv.start, 900) for srv in servers.values()]:
+                fut.result()
+        unified, prefill, decode = servers["unified"], servers["prefill"], servers["decode"]
+        generate(unified, random_prompts(2, 256, vocab, 1), 8)  # warm-up
         for _, prompt in loads:
-            ttfts = [generate(srv, [ids(prompt, r)], 1) for r in range(reps)]
+            ttfts = [generate(unified, [ids(prompt, r)], 1) for r in range(reps)]
             rows.append(row("unified", prompt, ttfts, []))
             print(
                 f"[bench_server] {model} unified 1x{prompt}: TTFT {rows[-1].ttft_s} s", flush=True
             )
-    save(rows)
-
-    bp = free_port()
-    pair_env = {**env, **pd.PAIR_ENV}
-    roles = {
-        "prefill": ([*base, *prefill_args(bp), "--nccl-port", str(free_port())], pd.PREFILL_SHARE),
-        "decode": ([*base, *decode_args(cpu), "--nccl-port", str(free_port())], pd.DECODE_SHARE),
-    }
-    servers = {
-        role: Server(
-            path,
-            server_args(extra, loads, 1, cpu, mem_fraction=share),
-            env=pair_env,
-            name=f"pd-{role}",
-        )
-        for role, (extra, share) in roles.items()
-    }
-    try:
-        # one after the other: each sizes its pool from the memory free when it starts
-        for srv in servers.values():
-            srv.start(timeout=900)
-        prefill, decode = servers["prefill"], servers["decode"]
+        save(rows)
         room = 1000
 
         def ask(tokens: list[int], new: int) -> float:
@@ -534,9 +537,11 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
                 f"({extra.get('transfer_gbps')} GB/s), {len(moved)}/{reps} transfer lines",
                 flush=True,
             )
+            save(rows)
     finally:
+        with ThreadPoolExecutor(len(servers)) as ex:
+            list(ex.map(lambda srv: srv.stop(), servers.values()))
         for role, srv in servers.items():
-            srv.stop()
             if args.logs:
                 Path(args.logs, f"server_{model}_pd-{role}.log").write_text(srv.log_text())
     save(rows)
@@ -687,8 +692,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--m3-layers", type=int, default=m3.DEFAULT_LAYERS, help="M3 layers")
     ap.add_argument("--m3-kv", choices=["bf16", "fp8"], default="bf16", help="M3 KV dtype")
+    ap.add_argument(
+        "--m3-kinds", default="sparse,dense", help="M3 servers: its sparse layers, all dense"
+    )
     ap.add_argument("--logs", default="", help="folder for each server's full log")
     args = ap.parse_args(argv)
+    if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
+        raise SystemExit(f"--m3-kinds: {sorted(bad)} unknown; give sparse, dense or both")
     if args.quick:
         args.models, args.output = args.models or "llama3-8b", 128
     if args.cpu_smoke:

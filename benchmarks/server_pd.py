@@ -1,6 +1,7 @@
 """P/D rows of the server benchmark (`bench_server.py --pd`): a prefill and a decode server on
-one GPU (each with its own `--mem-fraction-static` share), the atom transfer backend between
-their GPU pools, against a unified server of the same model, one after the other.
+one GPU, the atom transfer backend between their GPU pools, against a unified server of the same
+model. The three start side by side, each pool capped (`--max-total-tokens`) to the workloads'
+size, and are measured one at a time.
 
 Per prompt length, batch 1, `reps` requests of fresh random tokens, max_new_tokens 1:
 - TTFT: until the decode server answers (the pair) or the unified server does; the median;
@@ -21,12 +22,13 @@ sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_WORKLOADS = "1x1024,1x4096,1x16384"
 REPS = 5
-# --mem-fraction-static of the pair, started one after the other: SGLang sizes a server's pool
-# from the card's total memory less what is in use when it starts, so the decode (started second,
-# the prefill's 0.4 already taken) asks for 0.85 of the card and gets about 0.45 of it.
-PREFILL_SHARE, DECODE_SHARE = "0.4", "0.85"
 # same-node GPU transports first (UCX picks among these)
-PAIR_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp", "SGL_ATOM_PD_TRANSFER_LOG": "1"}
+PAIR_ENV = {
+    "UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp",
+    "SGL_ATOM_PD_TRANSFER_LOG": "1",
+    # UCX prints the protocol it picks per transfer size and memory kind into the server log
+    "UCX_PROTO_INFO": "y",
+}
 # issue 16's targets
 TARGET_TTFT, TARGET_GBPS_16K, TARGET_GBPS_1K = 1.15, 100.0, 30.0
 
