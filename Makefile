@@ -14,11 +14,14 @@ tiny: setup
 demo: setup
 	@$(PY) -m sgl_atom.demo
 
+# unit tests on two workers (they are CPU-bound and independent); the e2e tests share servers
+# across a module, so they run in one process
 test: setup
-	@$(PY) -m pytest tests/unit tests/e2e -q -rs --durations=30 $(PYTEST_ARGS)
+	@$(PY) -m pytest tests/unit -q -rs -n 2 --durations=15 $(PYTEST_ARGS)
+	@$(PY) -m pytest tests/e2e -q -rs --durations=30 $(PYTEST_ARGS)
 
 test-unit: setup
-	@$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+	@$(PY) -m pytest tests/unit -q -n 2 $(PYTEST_ARGS)
 
 test-e2e: setup
 	@$(PY) -m pytest tests/e2e -q -rs $(PYTEST_ARGS)

@@ -5,19 +5,22 @@
 Each kind writes a complete HF-style checkpoint (config.json, safetensors weights, tokenizer
 files). A finished build leaves a stamp; running again with the same spec does nothing. A
 build goes to a temporary sibling directory and is renamed into place, so an interrupted build
-never leaves a half-written checkpoint.
+never leaves a half-written checkpoint; an exclusive lock beside it lets several processes (test
+workers) ask for the same checkpoint at once, one building while the others wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 STAMP = ".sgl_atom_tiny.json"
@@ -291,12 +294,32 @@ def m3_variant(base: Path, out: Path, sparse: dict | None = None, **top) -> Path
     blob = json.dumps({"base": (base / STAMP).read_text(), **overrides}, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
     stamp = out / STAMP
-    if stamp.exists() and json.loads(stamp.read_text()).get("digest") == digest:
-        return out
-    cfg = json.loads((base / "config.json").read_text())
-    cfg["sparse_attention_config"] = {**cfg["sparse_attention_config"], **(sparse or {})}
-    _write_copy(base, out, cfg | top, {"kind": "m3-variant", "digest": digest})
+    with _locked(out):
+        if stamp.exists() and json.loads(stamp.read_text()).get("digest") == digest:
+            return out
+        cfg = json.loads((base / "config.json").read_text())
+        cfg["sparse_attention_config"] = {**cfg["sparse_attention_config"], **(sparse or {})}
+        _write_copy(base, out, cfg | top, {"kind": "m3-variant", "digest": digest})
     return out
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``out``'s build (a ``.<name>.lock`` file beside it)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f = open(out.parent / f".{out.name}.lock", "a")  # closed by the with below
+    except OSError as e:
+        raise SystemExit(
+            f"cannot write the tiny checkpoint under {out.parent} ({e.strerror}): "
+            "choose a writable --out or set SGL_ATOM_CACHE_DIR"
+        ) from e
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -507,12 +530,16 @@ def build(out: Path, kind: str = "llama", log: Callable[[str], None] = print) ->
     if kind not in KINDS:
         raise ValueError(f"unknown tiny checkpoint kind {kind!r}; choose from {sorted(KINDS)}")
     out = Path(out).resolve()
+    with _locked(out):
+        return _build(out, kind, log)
+
+
+def _build(out: Path, kind: str, log: Callable[[str], None]) -> Path:
     spec, make_model = KINDS[kind]
     if is_built(out, kind):
         log(f"[tiny] {kind} checkpoint already built at {out}")
         return out
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     except OSError as e:
         raise SystemExit(

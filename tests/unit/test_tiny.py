@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +61,26 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(tiny.KINDS, "llama", (tiny.KINDS["llama"][0], boom))
     with pytest.raises(KeyboardInterrupt):
         tiny.build(tmp_path / "x", "llama", log=lambda _: None)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".x.lock"]  # the build's lock file only
+
+
+def test_concurrent_builds_build_once(tmp_path):
+    """Two builders of one checkpoint at once (pytest-xdist workers): one builds, the other
+    waits on the lock and finds it built; neither sees a half-moved directory."""
+    out, barrier = tmp_path / "llama", threading.Barrier(2)
+    logs: list[list[str]] = [[], []]
+
+    def one(i: int) -> Path:
+        barrier.wait()
+        return tiny.build(out, "llama", log=logs[i].append)
+
+    with ThreadPoolExecutor(2) as ex:
+        paths = list(ex.map(one, range(2)))
+    assert paths == [out.resolve()] * 2
+    built = [any("checkpoint ready at" in line for line in lg) for lg in logs]
+    skipped = [lg == [f"[tiny] llama checkpoint already built at {out.resolve()}"] for lg in logs]
+    assert sorted(built) == [False, True] and sorted(skipped) == [False, True], logs
+    assert tiny.is_built(out, "llama")
 
 
 def test_unknown_kind_names_the_choices(tmp_path):
