@@ -47,25 +47,34 @@ def _spans(start_offset: torch.Tensor, end_offset: torch.Tensor):
         cum += e - s
 
 
-def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
-                             out_cache_loc, pool_len) -> None:
+def assign_req_to_token_pool(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     """req_to_token[req b, start..end) = the next (end - start) entries of out_cache_loc."""
     for b, s, e, cum in _spans(start_offset, end_offset):
         row = int(req_pool_indices[b])
         req_to_token[row, s:e] = out_cache_loc[cum : cum + e - s].to(req_to_token.dtype)
 
 
-def assign_extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset,
-                             out_cache_loc, pool_len) -> None:
+def assign_extend_cache_locs(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     """out_cache_loc, packed per request = req_to_token[req b, start..end)."""
     for b, s, e, cum in _spans(start_offset, end_offset):
         row = int(req_pool_indices[b])
         out_cache_loc[cum : cum + e - s] = req_to_token[row, s:e].to(out_cache_loc.dtype)
 
 
-def reconstruct_indices_from_tree_mask(tree_mask, verified_seq_len, positions, retrive_index,
-                                       retrive_next_token, retrive_next_sibling, batch_size,
-                                       draft_token_num) -> None:
+def reconstruct_indices_from_tree_mask(
+    tree_mask,
+    verified_seq_len,
+    positions,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    batch_size,
+    draft_token_num,
+) -> None:
     """tree_mask[b, i, j] marks node j an ancestor of node i (row-major, flat). Writes each
     node's position (ancestors + verified length), its flat index, first child and next
     sibling (-1 when none)."""
@@ -90,8 +99,16 @@ def reconstruct_indices_from_tree_mask(tree_mask, verified_seq_len, positions, r
     retrive_next_sibling.view(bs, n).copy_(sib)
 
 
-def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                       retrive_next_token, retrive_next_sibling, target_predict) -> None:
+def verify_tree_greedy(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
+) -> None:
     """Walk each request's tree from the root, following the child whose draft token equals
     the target's greedy token after the last accepted node; record accepted nodes, their
     count, and the target's tokens at them (the bonus token at the last one)."""

@@ -67,10 +67,14 @@ def _speculation_section(srv: Server, max_tokens: int) -> None:
     verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
     for p, o in zip(PROMPTS, outs, strict=True):
         m = o["meta_info"]
-        print(f"  [ATOM_DSPARK] {p!r} -> {o['text']!r} (accept length "
-              f"{m.get('spec_accept_length', 0):.2f})")
-    print(f"  [ATOM_DSPARK] tokens/forward {tokens / max(verifies, 1):.2f} "
-          f"({tokens} tokens from {verifies} target forwards)")
+        print(
+            f"  [ATOM_DSPARK] {p!r} -> {o['text']!r} (accept length "
+            f"{m.get('spec_accept_length', 0):.2f})"
+        )
+    print(
+        f"  [ATOM_DSPARK] tokens/forward {tokens / max(verifies, 1):.2f} "
+        f"({tokens} tokens from {verifies} target forwards)"
+    )
 
 
 DSPARK_ARGS = [
@@ -95,8 +99,16 @@ DSPARK_ENV = {
 MODES: dict[str, tuple[list[str], dict[str, str], str | None]] = {
     "plain": ([], {}, None),
     "atom-fp8": (
-        ["--dtype", "bfloat16", "--attention-backend", "atom", "--kv-cache-dtype", "fp8_e4m3",
-         "--page-size", "16"],
+        [
+            "--dtype",
+            "bfloat16",
+            "--attention-backend",
+            "atom",
+            "--kv-cache-dtype",
+            "fp8_e4m3",
+            "--page-size",
+            "16",
+        ],
         {},
         None,
     ),

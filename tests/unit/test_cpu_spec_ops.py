@@ -23,9 +23,7 @@ def _reconstruct(masks: list[torch.Tensor], seq_lens: list[int], n: int):
     bs = len(masks)
     out = [torch.full((bs * n,), -7, dtype=torch.int64) for _ in range(1)]
     out += [torch.full((bs, n), -7, dtype=torch.int64) for _ in range(3)]
-    ops.reconstruct_indices_from_tree_mask(
-        torch.cat(masks), torch.tensor(seq_lens), *out, bs, n
-    )
+    ops.reconstruct_indices_from_tree_mask(torch.cat(masks), torch.tensor(seq_lens), *out, bs, n)
     return out
 
 

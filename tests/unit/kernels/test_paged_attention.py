@@ -323,6 +323,7 @@ def test_fp8_per_token_attention_beats_per_tensor_scale():
 
 def _quantize(c):
     from sgl_atom.kernels import kv_quant as kvq
+
     c8 = torch.empty(c.shape, dtype=FP8, device=DEV)
     s = torch.empty(c.shape[:2], device=DEV)
     kvq.store_kv(
