@@ -581,10 +581,11 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
     ) -> tuple[list[Any], list[Any]]:
         """Post this chunk's KV writes to one decode rank: (handles already landed, handles in
         flight). Head cuts that land as whole decode pages go packed through the staging buffer
-        (stage.py), in rounds when they outgrow it; the rest span by span."""
+        (stage.py), in rounds when they outgrow it; the rest span by span, every region's spans
+        in one WRITE."""
         if not src:
             return [], []
-        out, packed = [], []
+        items, packed = [], []
         for pair in peer.plan.pairs:
             addr = peer.hs.region_addrs[pair.consumer_index]
             if self.stager.enabled and packs(pair):
@@ -592,9 +593,8 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 continue
             spans = pair.spans(src, dst)
             if spans:
-                out.append(
-                    self.engine.write(peer.hs.agent_name, spans, f"r{pair.producer_index}", addr)
-                )
+                items.append((spans, f"r{pair.producer_index}", addr))
+        out = self.engine.write_many(peer.hs.agent_name, items) if items else []
         if not packed:
             return [], out
         landed, pending = self.stager.write(peer.hs.agent_name, packed, src, dst, wait)
@@ -603,13 +603,13 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
     def _post_aux(self, peer: _Peer, src_row: int, dst_row: int) -> list[Any]:
         if dst_row < 0:
             raise AtomTransferError("the decode rank sent no metadata row for the request")
-        out = []
-        for i, ((_, _, item), (dst_addr, _, _)) in enumerate(
-            zip(self.aux, peer.hs.aux, strict=True)
-        ):
-            span = [(src_row * item, dst_row * item, item)]
-            out.append(self.engine.write(peer.hs.agent_name, span, f"aux{i}", dst_addr))
-        return out
+        items = [
+            ([(src_row * item, dst_row * item, item)], f"aux{i}", dst_addr)
+            for i, ((_, _, item), (dst_addr, _, _)) in enumerate(
+                zip(self.aux, peer.hs.aux, strict=True)
+            )
+        ]
+        return self.engine.write_many(peer.hs.agent_name, items)
 
     # ------------------------------------------------------------------ consumer (decode)
 

@@ -4,7 +4,8 @@ A :class:`NixlEngine` is one NIXL agent. Each side registers its region buffers
 (:meth:`NixlEngine.register`) and sends :meth:`NixlEngine.metadata` to the peer out of band (the
 handshake's `agent_metadata`); the producer loads it with :meth:`NixlEngine.add_peer`, then
 :meth:`NixlEngine.write` turns the `(src_off, dst_off, len)` spans of
-:meth:`sgl_atom.disagg.plan.PairPlan.spans` into two NIXL descriptor lists and posts one WRITE,
+:meth:`sgl_atom.disagg.plan.PairPlan.spans` into two NIXL descriptor lists and posts one WRITE
+(:meth:`NixlEngine.write_many`: the spans of many regions in one WRITE),
 and :meth:`NixlEngine.wait` polls it. The consumer learns a write landed from its notification
 (:meth:`NixlEngine.notified`).
 
@@ -213,25 +214,63 @@ class NixlEngine:
     ) -> WriteHandle:
         """Post one WRITE of `spans` (src offset in `src_region`, dst offset from the peer's
         region at `dst_region_addr`, length) to `peer`; `notif` reaches the peer when it lands."""
+        (handle,) = self.write_many(peer, [(spans, src_region, dst_region_addr)], notif)
+        return handle
+
+    def write_many(
+        self,
+        peer: str,
+        items: Sequence[tuple[Sequence[tuple[int, int, int]] | np.ndarray, str, int]],
+        notif: bytes = b"",
+    ) -> list[WriteHandle]:
+        """Post the spans of several `(spans, src_region, dst_region_addr)` items to `peer` as
+        one WRITE per pair of memory kinds (one in practice: a pool is all on one device), each
+        carrying the descriptors of every item: posting costs per WRITE, not per byte, and a
+        request's KV spans one region per layer and K/V. Every item is checked before anything
+        is posted; `notif` rides on each WRITE."""
         if peer not in self._peers:
             raise TransferError(f"{self.name}: unknown peer {peer!r}; call add_peer first")
-        if src_region not in self._regions:
-            raise TransferError(
-                f"{self.name}: no local region {src_region!r}; registered: {list(self._regions)}"
+        groups: dict[tuple[MemKind, MemKind], list[tuple[np.ndarray, np.ndarray]]] = {}
+        for spans, src_region, dst_region_addr in items:
+            if src_region not in self._regions:
+                known = list(self._regions)
+                raise TransferError(
+                    f"{self.name}: no local region {src_region!r}; registered: {known}"
+                )
+            rows = coalesce(self._check_spans(peer, spans, src_region, dst_region_addr))
+            src_base, _ = self._regions[src_region]
+            src_kind = self._kinds[src_region]
+            dst_kind = self._peer_kinds[peer].get(dst_region_addr, _HOST)
+            n = len(rows)
+            local = np.stack(
+                [rows[:, 0] + np.uint64(src_base), rows[:, 2], np.full(n, src_kind[1], np.uint64)],
+                axis=1,
             )
-        rows = coalesce(self._check_spans(peer, spans, src_region, dst_region_addr))
-        src_base, _ = self._regions[src_region]
-        src_mem, src_dev = self._kinds[src_region]
-        dst_mem, dst_dev = self._peer_kinds[peer].get(dst_region_addr, _HOST)
-        n = len(rows)
-        local = np.stack(
-            [rows[:, 0] + np.uint64(src_base), rows[:, 2], np.full(n, src_dev, np.uint64)], axis=1
-        )
-        remote = np.stack(
-            [rows[:, 1] + np.uint64(dst_region_addr), rows[:, 2], np.full(n, dst_dev, np.uint64)],
-            axis=1,
-        )
-        nbytes = int(rows[:, 2].sum())
+            remote = np.stack(
+                [
+                    rows[:, 1] + np.uint64(dst_region_addr),
+                    rows[:, 2],
+                    np.full(n, dst_kind[1], np.uint64),
+                ],
+                axis=1,
+            )
+            groups.setdefault((src_kind, dst_kind), []).append((local, remote))
+        return [
+            self._post(
+                peer,
+                np.concatenate([lo for lo, _ in parts]),
+                np.concatenate([re for _, re in parts]),
+                src_kind[0],
+                dst_kind[0],
+                notif,
+            )
+            for (src_kind, dst_kind), parts in groups.items()
+        ]
+
+    def _post(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, src_mem: str, dst_mem: str, notif
+    ) -> WriteHandle:
+        nbytes = int(local[:, 1].sum())
         try:
             xfer = self._agent.initialize_xfer(
                 "WRITE",
@@ -243,10 +282,10 @@ class NixlEngine:
             state = self._agent.transfer(xfer)
         except Exception as e:
             raise TransferError(
-                f"{self.name} -> {peer}: posting a WRITE of {len(rows)} spans ({nbytes} B) "
-                f"from {src_region!r} failed: {e}"
+                f"{self.name} -> {peer}: posting a WRITE of {len(local)} spans ({nbytes} B) "
+                f"failed: {e}"
             ) from e
-        handle = WriteHandle(xfer, peer, len(rows), nbytes, state)
+        handle = WriteHandle(xfer, peer, len(local), nbytes, state)
         if state == "ERR":
             self._release(handle)
             raise TransferError(self._describe(handle, "was refused at post (state ERR)"))

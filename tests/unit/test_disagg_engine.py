@@ -129,6 +129,27 @@ def test_write_tp1_to_tp2_head_split_lands_exact_bytes():
     _assert_landed(src, got)
 
 
+def test_write_many_posts_every_region_in_one_write_or_nothing():
+    """Both regions' spans go in one WRITE; a call with one bad item posts none of its items."""
+    plan = plan_transfer(_regions(0, 1), 0, 1, _regions(1, 2), 1, 2)
+    with _head_split(("k", "v"), 1) as (producer, src, dst, conn):
+        items = [
+            (pair.spans(SRC_PAGES, DST_PAGES), name, dst[name][0])
+            for name, pair in zip("kv", plan.pairs, strict=True)
+        ]
+        addr_v, n_v = dst["v"]
+        stray = ([(0, 0, 64)], "k", dst["k"][0])  # into page 0, which no later write touches
+        with pytest.raises(TransferError, match="write up to"):
+            producer.write_many("consumer", [stray, ([(0, n_v - 4, 8)], "v", addr_v)])
+        handles = producer.write_many("consumer", items, b"kv-done")
+        assert len(handles) == 1
+        assert handles[0].nbytes == sum(int(n) for spans, _, _ in items for *_, n in spans)
+        producer.wait(handles[0], 10)
+        got = _recv(conn, 20)
+        assert got is not None, "consumer saw no notification"
+    _assert_landed(src, got)  # page 0 of k holds no stray bytes from the refused call
+
+
 def test_write_refuses_spans_outside_the_regions():
     proc, conn = _spawn(HEADS, None)
     producer = NixlEngine("producer")
