@@ -73,24 +73,30 @@ BACKEND = "atom"
 
 @dataclass
 class TransferStats:
-    """What one request's KV writes moved: bytes, NIXL descriptors (after coalescing), and the
-    seconds from posting each chunk's writes to their landing."""
+    """What one request's KV writes moved: bytes, NIXL descriptors (after coalescing) and
+    WRITEs, the seconds from posting each chunk's writes to their landing, and of those the
+    seconds until the last one was posted (the posting's own cost, staged rounds included)."""
 
     nbytes: int = 0
     descriptors: int = 0
     seconds: float = 0.0
+    writes: int = 0
+    posting: float = 0.0
 
-    def add(self, handles: list[Any], seconds: float) -> None:
+    def add(self, handles: list[Any], seconds: float, posting: float = 0.0) -> None:
         self.nbytes += sum(h.nbytes for h in handles)
         self.descriptors += sum(h.spans for h in handles)
+        self.writes += len(handles)
         self.seconds += seconds
+        self.posting += posting
 
     def describe(self, ranks: int) -> str:
         """The log line's text after ``room N: `` (:meth:`logged` reads it back)."""
         rate = self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return (
             f"{self.nbytes} KV bytes in {self.descriptors} descriptors to {ranks} decode "
-            f"rank(s), {self.seconds * 1e3:.2f} ms writing ({rate:.3g} GB/s)"
+            f"rank(s), {self.seconds * 1e3:.2f} ms writing ({rate:.3g} GB/s; {self.writes} "
+            f"NIXL writes, {self.posting * 1e3:.2f} ms posting)"
         )
 
     @classmethod
@@ -566,10 +572,11 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             landed, handles = self._post_kv(peer, src_pages, dst_pages, wait)
             if chunk.is_last_chunk and self.is_last_stage and chunk.prefill_aux_index is not None:
                 handles += self._post_aux(peer, int(chunk.prefill_aux_index), req.aux_index)
+            posted = time.perf_counter()
             for h in handles:
                 wait(h)
             stats = self.room_stats.setdefault(chunk.room, TransferStats())
-            stats.add(landed + handles, time.perf_counter() - t0)
+            stats.add(landed + handles, time.perf_counter() - t0, posted - t0)
 
     def _room_failed(self, room: int) -> str | None:
         """Why a write for ``room`` is no longer worth waiting for: the room failed (its

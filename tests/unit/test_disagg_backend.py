@@ -402,19 +402,21 @@ def test_transfer_stats_sum_the_writes_of_every_chunk():
     from sgl_atom.disagg.conn import TransferStats
 
     rng = random.Random()
-    stats, total, descs, secs = TransferStats(), 0, 0, 0.0
+    stats, total, descs, secs, writes, posting = TransferStats(), 0, 0, 0.0, 0, 0.0
     for _ in range(rng.randint(1, 5)):  # chunks
         handles = [
             SimpleNamespace(nbytes=rng.randint(1, 1 << 30), spans=rng.randint(1, 64))
             for _ in range(rng.randint(1, 4))
         ]
         dt = rng.uniform(1e-4, 0.1)
-        stats.add(handles, dt)
+        post = rng.uniform(0, dt)
+        stats.add(handles, dt, post)
         total += sum(h.nbytes for h in handles)
         descs += sum(h.spans for h in handles)
-        secs += dt
+        secs, writes, posting = secs + dt, writes + len(handles), posting + post
     line = stats.describe(2)
-    assert (stats.nbytes, stats.descriptors) == (total, descs)
-    assert stats.seconds == pytest.approx(secs)
+    assert (stats.nbytes, stats.descriptors, stats.writes) == (total, descs, writes)
+    assert stats.seconds == pytest.approx(secs) and stats.posting == pytest.approx(posting)
     assert line.startswith(f"{total} KV bytes in {descs} descriptors to 2 decode rank(s), ")
-    assert f"({total / secs / 1e9:.3g} GB/s)" in line
+    assert f"({total / secs / 1e9:.3g} GB/s; {writes} NIXL writes, " in line
+    assert line.endswith(f", {posting * 1e3:.2f} ms posting)")
