@@ -255,17 +255,17 @@ class NixlEngine:
                 axis=1,
             )
             groups.setdefault((src_kind, dst_kind), []).append((local, remote))
-        return [
-            self._post(
-                peer,
-                np.concatenate([lo for lo, _ in parts]),
-                np.concatenate([re for _, re in parts]),
-                src_kind[0],
-                dst_kind[0],
-                notif,
-            )
-            for (src_kind, dst_kind), parts in groups.items()
-        ]
+        handles: list[WriteHandle] = []
+        try:
+            for (src_kind, dst_kind), parts in groups.items():
+                local = np.concatenate([lo for lo, _ in parts])
+                remote = np.concatenate([re for _, re in parts])
+                handles.append(self._post(peer, local, remote, src_kind[0], dst_kind[0], notif))
+        except TransferError:
+            for h in handles:  # a later group refused: the call posts all of it or none
+                self._release(h)
+            raise
+        return handles
 
     def _post(
         self, peer: str, local: np.ndarray, remote: np.ndarray, src_mem: str, dst_mem: str, notif
