@@ -10,6 +10,10 @@ producer then times, interleaved rep by rep:
            (spans computed inside the timed section; the engine coalesces them)
   shuffled the same through NixlEngine with the pages in random order: one descriptor per page,
            reported for scale only
+  regions  the buffer as 64 regions (a pool's layers x K/V), one NixlEngine.write per region,
+           all posted then all waited for (the P/D backend's former way)
+  one-write the same 64 regions through NixlEngine.write_many: one WRITE carrying 64
+           descriptors (the P/D backend's way)
 The consumer's buffer is hashed after the raw and engine paths (zeroed between them) and must
 equal the source. UCX runs over TCP on loopback (UCX_NET_DEVICES=lo, UCX_TLS=tcp,self).
 """
@@ -26,6 +30,7 @@ import time
 
 LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
 HEADS, DIM, PAGE = 8, 128, 16  # bf16: 32 KiB per page
+REGIONS = 64
 
 
 def _consumer(conn, nbytes: int) -> None:
@@ -62,6 +67,17 @@ def _raw_write(agent, local, remote) -> float:
 def _engine_write(engine, pair, pages, dst_addr) -> float:
     start = time.perf_counter()
     engine.wait(engine.write("consumer", pair.spans(pages, pages), "src", dst_addr), 60)
+    return time.perf_counter() - start
+
+
+def _regions_write(engine, items, many: bool) -> float:
+    start = time.perf_counter()
+    if many:
+        handles = engine.write_many("consumer", items)
+    else:
+        handles = [engine.write("consumer", *item) for item in items]
+    for h in handles:
+        engine.wait(h, 60)
     return time.perf_counter() - start
 
 
@@ -120,6 +136,25 @@ def run(mib: int, reps: int) -> dict[str, list[float]]:
         _check(conn, want, "raw")
         for _ in range(reps):
             times["shuffled"].append(_engine_write(engine, pair, shuffled, dst_addr))
+        # the same bytes as REGIONS regions of a second engine (a pool's layers x K/V)
+        part = nbytes // REGIONS
+        cut = NixlEngine("producer-regions")
+        try:
+            cut.register({f"r{i}": src[i * part : (i + 1) * part] for i in range(REGIONS)})
+            cut.add_peer(
+                "consumer", meta, regions={dst_addr + i * part: part for i in range(REGIONS)}
+            )
+            items = [([(0, 0, part)], f"r{i}", dst_addr + i * part) for i in range(REGIONS)]
+            times["regions"], times["one-write"] = [], []
+            _regions_write(cut, items, False)  # connect and warm up
+            _regions_write(cut, items, True)
+            _check(conn, want, "one-write")
+            for _ in range(reps):
+                times["regions"].append(_regions_write(cut, items, False))
+                times["one-write"].append(_regions_write(cut, items, True))
+            _check(conn, want, "regions and one-write")
+        finally:
+            cut.close()
         raw.remove_remote_agent("consumer")
         raw.deregister_memory(raw_reg)
         conn.send("stop")
@@ -134,7 +169,8 @@ def run(mib: int, reps: int) -> dict[str, list[float]]:
 
 def table(times: dict[str, list[float]], mib: int, n_pages: int) -> str:
     base = statistics.median(times["raw"])
-    descs = {"raw": "1", "engine": f"{n_pages} -> 1", "shuffled": str(n_pages)}
+    descs = {"raw": "1", "engine": f"{n_pages} -> 1", "shuffled": str(n_pages),
+             "regions": f"{REGIONS} WRITEs", "one-write": f"{REGIONS} in 1 WRITE"}  # fmt: skip
     head = ["path", "MiB", "spans", "median s", "best s", "GiB/s (median)", "overhead %"]
     rows = []
     for path, ts in times.items():
@@ -173,14 +209,16 @@ def main() -> None:
 def _report(cmd, env, args, out, per_rep) -> str:
     return f"""# NixlEngine vs raw NIXL WRITE, {args.mib} MiB, two processes on one host
 
-- date: 2026-11-30; machine: CPU host ({os.cpu_count()} cores, shared), no GPU; NIXL 1.5.1,
-  UCX backend over loopback TCP ({env}); source and destination are DRAM (CPU tensors)
+- date: {time.strftime("%Y-%m-%d")}; machine: CPU host ({os.cpu_count()} cores, shared), no GPU;
+  NIXL 1.5.1, UCX backend over loopback TCP ({env}); source and destination are DRAM (CPU tensors)
 - command: `{cmd}`
 - {args.reps} reps per path, raw and engine interleaved rep by rep, after one warm-up each;
   the consumer's buffer is hashed after the raw and engine paths and equals the source
 - engine: spans of a TP1->TP1 plan over {PAGE}-token pages of a bf16 `[slots, {HEADS}, {DIM}]`
   region, every page in order, spans computed inside the timed section; shuffled: pages in
-  random order (one descriptor per page), for scale only. Overhead is of the median vs raw.
+  random order (one descriptor per page), for scale only; regions / one-write: the buffer as
+  {REGIONS} regions of a second engine, one WRITE each vs one WRITE for all (after the others,
+  checked by hash). Overhead is of the median vs raw.
 
 {out}
 
