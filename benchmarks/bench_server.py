@@ -57,7 +57,6 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,7 +68,7 @@ import server_dspark as dspark  # noqa: E402
 import server_m3 as m3  # noqa: E402
 import server_pd as pd  # noqa: E402
 
-from sgl_atom.testing.server import Server  # noqa: E402
+from sgl_atom.testing.server import Server, ServerPool  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -490,17 +489,14 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
         "decode": ([*base, *decode_args(cpu), "--nccl-port", str(free_port())], pair_env),
     }
     # side by side, each pool capped to the workloads' size (pd.py): one start-up wait, not three
-    servers = {
-        role: Server(
-            path, server_args(extra, loads, 1, cpu, capped=True), env=role_env, name=f"pd-{role}"
-        )  # fmt: skip
+    jobs = {
+        f"pd-{role}": (path, server_args(extra, loads, 1, cpu, capped=True), role_env)
         for role, (extra, role_env) in roles.items()
     }
+    pool = ServerPool()
     rows: list[Row] = []
     try:
-        with ThreadPoolExecutor(len(servers)) as ex:
-            for fut in [ex.submit(srv.start, 900) for srv in servers.values()]:
-                fut.result()
+        servers = {n.removeprefix("pd-"): srv for n, srv in pool.start_many(jobs, 900).items()}
         unified, prefill, decode = servers["unified"], servers["prefill"], servers["decode"]
         generate(unified, random_prompts(2, 256, vocab, 1), 8)  # warm-up
         for _, prompt in loads:
@@ -539,11 +535,9 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
             )
             save(rows)
     finally:
-        with ThreadPoolExecutor(len(servers)) as ex:
-            list(ex.map(lambda srv: srv.stop(), servers.values()))
-        for role, srv in servers.items():
-            if args.logs:
-                Path(args.logs, f"server_{model}_pd-{role}.log").write_text(srv.log_text())
+        pool.stop_all()
+        for srv in pool.started if args.logs else []:
+            Path(args.logs, f"server_{model}_{srv.name}.log").write_text(srv.log_text())
     save(rows)
     return rows
 

@@ -601,7 +601,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             spans = pair.spans(src, dst)
             if spans:
                 items.append((spans, f"r{pair.producer_index}", addr))
-        out = self.engine.write_many(peer.hs.agent_name, items) if items else []
+        out = self.engine.write_many(peer.hs.agent_name, items)
         if not packed:
             return [], out
         landed, pending = self.stager.write(peer.hs.agent_name, packed, src, dst, wait)

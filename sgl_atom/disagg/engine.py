@@ -70,6 +70,15 @@ def _nixl():
     return nixl_agent, nixl_agent_config
 
 
+def _descs(rows: np.ndarray, side: int, base: int, device: int) -> np.ndarray:
+    """NIXL descriptor rows (address, length, device) of one side (0 source, 1 destination)
+    of ``(src_off, dst_off, len)`` spans, offsets from ``base``."""
+    n = len(rows)
+    return np.stack(
+        [rows[:, side] + np.uint64(base), rows[:, 2], np.full(n, device, np.uint64)], axis=1
+    )
+
+
 def coalesce(spans: np.ndarray) -> np.ndarray:
     """Merge spans that continue the previous one on both sides: [N, 3] (src, dst, len) rows."""
     if len(spans) < 2:
@@ -228,6 +237,8 @@ class NixlEngine:
         carrying the descriptors of every item: posting costs per WRITE, not per byte, and a
         request's KV spans one region per layer and K/V. Every item is checked before anything
         is posted; `notif` rides on each WRITE."""
+        if not items:
+            return []
         if peer not in self._peers:
             raise TransferError(f"{self.name}: unknown peer {peer!r}; call add_peer first")
         groups: dict[tuple[MemKind, MemKind], list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -238,22 +249,10 @@ class NixlEngine:
                     f"{self.name}: no local region {src_region!r}; registered: {known}"
                 )
             rows = coalesce(self._check_spans(peer, spans, src_region, dst_region_addr))
-            src_base, _ = self._regions[src_region]
             src_kind = self._kinds[src_region]
             dst_kind = self._peer_kinds[peer].get(dst_region_addr, _HOST)
-            n = len(rows)
-            local = np.stack(
-                [rows[:, 0] + np.uint64(src_base), rows[:, 2], np.full(n, src_kind[1], np.uint64)],
-                axis=1,
-            )
-            remote = np.stack(
-                [
-                    rows[:, 1] + np.uint64(dst_region_addr),
-                    rows[:, 2],
-                    np.full(n, dst_kind[1], np.uint64),
-                ],
-                axis=1,
-            )
+            local = _descs(rows, 0, self._regions[src_region][0], src_kind[1])
+            remote = _descs(rows, 1, dst_region_addr, dst_kind[1])
             groups.setdefault((src_kind, dst_kind), []).append((local, remote))
         handles: list[WriteHandle] = []
         try:

@@ -145,6 +145,4 @@ class Stager:
         """Post the packed writes once the packing has finished on the device."""
         if staged and self.buf is not None and self.buf.is_cuda:
             torch.cuda.current_stream(self.buf.device).synchronize()
-        if not staged:
-            return []
         return self.engine.write_many(peer, [(spans, STAGE_REGION, addr) for spans, addr in staged])
