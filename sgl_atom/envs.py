@@ -58,6 +58,11 @@ SGL_ATOM_SERVER_TIMEOUT = EnvVar(
     300,
     "Seconds the demo and the tests wait for a server to become healthy.",
 )
+SGL_ATOM_STOP_GRACE = EnvVar(
+    "SGL_ATOM_STOP_GRACE",
+    20,
+    "Seconds the demo, the tests and the benchmarks give a server after SIGTERM before SIGKILL.",
+)
 SGL_ATOM_VENV = EnvVar(
     "SGL_ATOM_VENV",
     "",
@@ -151,6 +156,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CACHE_DIR,
     SGL_ATOM_CPU_CORES,
     SGL_ATOM_SERVER_TIMEOUT,
+    SGL_ATOM_STOP_GRACE,
     SGL_ATOM_VENV,
     SGL_ATOM_FP8_SCALE,
     SGL_ATOM_DECODE_TUNING,

@@ -51,6 +51,25 @@ def plugins_without_sgl_atom() -> str:
     return ",".join(names) or "none"
 
 
+def process_group_states(pgid: int) -> list[str]:
+    """One line per thread of process group ``pgid``: pid/tid, state and kernel wait channel,
+    read from /proc (empty where there is no /proc)."""
+    lines = []
+    for proc in sorted(Path("/proc").glob("[0-9]*"), key=lambda d: int(d.name)):
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            cmd = " ".join((proc / "cmdline").read_bytes().decode(errors="replace").split())[:80]
+            for task in sorted(proc.glob("task/[0-9]*"), key=lambda d: int(d.name)):
+                stat = (task / "stat").read_text()
+                name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")")[1][1]
+                wchan = (task / "wchan").read_text() or "-"
+                lines.append(f"  {proc.name}/{task.name} {state} {wchan} {name} :: {cmd}")
+        except (OSError, ValueError, IndexError):
+            continue
+    return lines
+
+
 class ManagedProcess:
     """A command on 127.0.0.1 with an HTTP health endpoint, in its own process group, its
     output in a log file; ``start`` waits for health, ``stop`` ends the whole group."""
@@ -128,22 +147,41 @@ class ManagedProcess:
         return r.json()
 
     def stop(self) -> None:
+        """End the whole process group: SIGTERM, then SIGKILL after ``SGL_ATOM_STOP_GRACE``
+        seconds, then wait for the kernel to reap it. A process still not reaped a minute
+        after SIGKILL (a thread stuck in the kernel) is left to the kernel with a warning in
+        its log naming each thread's state: it holds no port a later server asks for, and
+        failing the next test for it would hide that test's own result."""
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            # SGLang's own: SIGKILL to every descendant, reaped before it returns; then the
-            # group, for any process that left the tree
-            from sglang.srt.utils import kill_process_tree
-
-            kill_process_tree(self.proc.pid, wait_timeout=30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
         except ProcessLookupError:
-            pass
+            self.proc.wait(timeout=60)
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=envs.SGL_ATOM_STOP_GRACE.get())
+            return
+        self._note(f"not stopped {envs.SGL_ATOM_STOP_GRACE.get():.0f}s after SIGTERM", True)
+        # SGLang's own: SIGKILL to every descendant, reaped before it returns; then the group,
+        # for any process that left the tree
+        from sglang.srt.utils import kill_process_tree
+
+        with contextlib.suppress(RuntimeError):
+            kill_process_tree(self.proc.pid, wait_timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._note("not reaped 60s after SIGKILL; left to the kernel", False)
+
+    def _note(self, what: str, with_states: bool) -> None:
+        """Append ``what`` (and each of the group's threads' states) to the log file."""
+        lines = [f"[sgl_atom.testing] {self.name} pid {self.proc.pid}: {what}"]
+        lines += process_group_states(self.proc.pid)
+        with contextlib.suppress(OSError), open(self.log_path, "a") as log:
+            log.write("\n".join(lines) + "\n")
 
     def __enter__(self):
         return self.start()
@@ -152,8 +190,14 @@ class ManagedProcess:
         self.stop()
 
 
+# A managed server is stopped on purpose: SGLang's crash diagnostics (5 s of sleep, then py-spy
+# on every scheduler still alive) would only delay each stop, past its grace on a busy host.
+QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
 class Server(ManagedProcess):
-    """One ``sglang.launch_server`` process on 127.0.0.1."""
+    """One ``sglang.launch_server`` process on 127.0.0.1 (without SGLang's crash diagnostics
+    at stop, unless ``env`` asks for them)."""
 
     health_path = "/health_generate"
     health_timeout = 30.0
@@ -171,6 +215,7 @@ class Server(ManagedProcess):
         argv = ["--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
         argv += list(args or [])
         cmd, full_env = server_command(argv)
+        full_env.update(QUIET_STOP_ENV)
         full_env.update(env or {})
         if not with_plugin:
             full_env["SGLANG_PLUGINS"] = plugins_without_sgl_atom()
@@ -241,8 +286,11 @@ class ServerPool:
             return {name: f.result() for name, f in futs.items()}
 
     def stop_all(self) -> None:
-        """Stop every server side by side (a P/D server can take its whole SIGTERM grace)."""
-        with ThreadPoolExecutor(max(1, len(self.started))) as ex:
-            list(ex.map(lambda srv: srv.stop(), self.started))
-        for srv in self.started:
-            assert srv.proc is None or srv.proc.poll() is not None, f"{srv.name} still running"
+        """Stop every server of the pool side by side."""
+        stop_many(self.started)
+
+
+def stop_many(procs: Collection[ManagedProcess]) -> None:
+    """Stop processes side by side (a P/D server can take its whole SIGTERM grace)."""
+    with ThreadPoolExecutor(max(1, len(procs))) as ex:
+        list(ex.map(lambda p: p.stop(), procs))

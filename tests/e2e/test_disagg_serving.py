@@ -37,7 +37,7 @@ from sgl_atom.speculative.dspark.algorithm import NAME
 from sgl_atom.testing import DSPARK_CHAIN, tiny
 from sgl_atom.testing.pd import PDRequest, decode_args, prefill_args
 from sgl_atom.testing.router import Router
-from sgl_atom.testing.server import Server, free_port
+from sgl_atom.testing.server import Server, free_port, stop_many
 
 PROMPTS = word_prompts(16, seed=31, min_words=4, max_words=16)
 MAX_NEW = 16
@@ -287,9 +287,7 @@ def parallel(servers, chain, pd, expected):
     """A PP2 prefill (one TP rank per stage) and a TP2 decode; a TP2 prefill for pd's decode.
 
     Started once group 1's servers other than the reference and the TP1 decode have stopped."""
-    pd.router.stop()
-    for srv in (pd.prefill, pd.slow_prefill, pd.other_decode, pd.bf16_decode):
-        srv.stop()
+    stop_many([pd.router, pd.prefill, pd.slow_prefill, pd.other_decode, pd.bf16_decode])
     pp2_bp, tp2_bp = free_port(), free_port()
     jobs = {
         "pp2_prefill": (FP8 + prefill_args(pp2_bp) + ["--pp-size", "2"], PP2_ENV),

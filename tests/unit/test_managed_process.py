@@ -115,10 +115,9 @@ def test_start_many_fails_on_an_unexpected_refusal_or_an_unexpected_start(pool):
 
 
 def test_a_server_that_ignores_sigterm_is_killed_with_its_children(monkeypatch):
-    """Past the SIGTERM grace the whole tree goes (SGLang's kill_process_tree), children too."""
-    import subprocess
-
-    monkeypatch.setattr(subprocess.Popen, "wait", _short_first_wait(subprocess.Popen.wait))
+    """Past the SIGTERM grace the whole tree goes (SGLang's kill_process_tree), children too,
+    and the log names each thread's state at that moment."""
+    monkeypatch.setenv("SGL_ATOM_STOP_GRACE", "1")
     code = (
         "import signal, subprocess, sys, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -133,8 +132,13 @@ def test_a_server_that_ignores_sigterm_is_killed_with_its_children(monkeypatch):
     with pytest.raises(ServerStartError):
         proc.start(timeout=3)  # never healthy: start() stops it on the way out
     assert proc.proc.poll() is not None
-    child = int(proc.log_text().split("child ")[1].split()[0])
+    log = proc.log_text()
+    child = int(log.split("child ")[1].split()[0])
     assert _gone(child)
+    note = log[log.index("[sgl_atom.testing] stubborn") :].splitlines()
+    assert f"pid {proc.proc.pid}: not stopped 1s after SIGTERM" in note[0]
+    states = {int(line.split()[0].split("/")[0]) for line in note[1:]}
+    assert states == {proc.proc.pid, child}  # both processes of the group, one line a thread
 
 
 def _gone(pid: int) -> bool:
@@ -145,15 +149,6 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def _short_first_wait(wait):
-    """Popen.wait with the 20 s SIGTERM grace cut to 1 s (the test's patience)."""
-
-    def short(self, timeout=None):
-        return wait(self, timeout=min(timeout, 1.0) if timeout == 20 else timeout)
-
-    return short
 
 
 ROUTERISH = r"""
