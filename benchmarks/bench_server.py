@@ -139,7 +139,7 @@ class Row:
 def row_key(d: dict) -> tuple:
     """What a row measured: a later run's row of the same key replaces it."""
     fields = ("model", "backend", "kv", "batch", "prompt", "output")
-    extra = ("spec", "block", "forced_accept", "draft_kv", "sparse", "pd")
+    extra = ("spec", "block", "forced_accept", "draft_kv", "sparse", "weights", "pd")
     return tuple(d[f] for f in fields) + tuple(d.get(f) for f in extra)
 
 
@@ -437,12 +437,16 @@ def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     backend = ["--attention-backend", "atom", "--page-size", "16"]
     if args.m3_kv == "fp8":
         backend += ["--kv-cache-dtype", "fp8_e4m3"]
+    weights = {}  # bf16 rows carry no "weights" (as before the option existed)
+    if args.m3_weights == "fp8":
+        backend += ["--quantization", "fp8"]
+        weights = {"weights": "fp8"}
     rows: list[Row] = []
     for kind in args.m3_kinds.split(","):
         path = m3.write_m3(root, args.m3_layers, kind == "dense", tiny=args.cpu_smoke)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         srv_args = server_args(backend, workloads, args.output, args.cpu_smoke, 4)
-        label = f"{name}_{kind}-{args.m3_kv}"
+        label = f"{name}_{kind}-{args.m3_kv}-{args.m3_weights}"
         with started(path, srv_args, label, env, args.logs, 256) as srv:
             for batch, prompt in workloads:
                 ttft, log, client = timed_decode(srv, vocab, batch, prompt, args.output)
@@ -451,9 +455,10 @@ def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
                     Row(name, "atom", args.m3_kv, batch, prompt, args.output,
                         decode_tok_s=round(rate or client, 1), ttft_s=round(ttft, 3),
                         byte_limit_tok_s=0.0, run=run_id, decode_tok_s_client=round(client, 1),
-                        log_samples=n, extra={"sparse": kind, "layers": args.m3_layers})
+                        log_samples=n,
+                        extra={"sparse": kind, "layers": args.m3_layers, **weights})
                 )  # fmt: skip
-                _print(rows[-1], f"{kind} {args.m3_kv}")
+                _print(rows[-1], f"{kind} {args.m3_kv} KV, {args.m3_weights} weights")
         save(rows)
     return rows
 
@@ -686,6 +691,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--m3-layers", type=int, default=m3.DEFAULT_LAYERS, help="M3 layers")
     ap.add_argument("--m3-kv", choices=["bf16", "fp8"], default="bf16", help="M3 KV dtype")
+    ap.add_argument(
+        "--m3-weights",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="M3 projection and expert weights: bf16, or fp8 (--quantization fp8, quantised "
+        "as the dummy weights load; router, embedding and LM head stay bf16)",
+    )
     ap.add_argument(
         "--m3-kinds", default="sparse,dense", help="M3 servers: its sparse layers, all dense"
     )

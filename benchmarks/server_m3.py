@@ -88,27 +88,36 @@ def with_base(workloads: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return sorted(set(workloads) | extra, key=lambda w: (w[0], w[1]))
 
 
+def weights(r: dict) -> str:
+    """The row's expert and projection weights: bf16, or fp8 (``--quantization fp8``)."""
+    return r.get("weights") or "bf16"
+
+
+def _key(r: dict) -> tuple:
+    return r["run"], weights(r), r["sparse"], r["batch"], r["prompt"]
+
+
 def derive(rows: list[dict]) -> dict[tuple, dict]:
-    """Per M3 row (run, sparse, batch, prompt): the context-dependent part of the step
+    """Per M3 row (run, weights, sparse, batch, prompt): the context-dependent part of the step
     (``attn_ms``) and its share, and for a sparse row its tokens/s and attention part against
-    the dense row of the same run and workload."""
-    m3 = {(r["run"], r["sparse"], r["batch"], r["prompt"]): r for r in rows if r.get("sparse")}
+    the dense row of the same run, weights and workload."""
+    m3 = {_key(r): r for r in rows if r.get("sparse")}
     out: dict[tuple, dict] = {key: {} for key in m3}
-    for (run, kind, batch, prompt), r in m3.items():
-        base = m3.get((run, kind, batch, BASE_PROMPT))
+    for (run, w, kind, batch, prompt), r in m3.items():
+        base = m3.get((run, w, kind, batch, BASE_PROMPT))
         if prompt == BASE_PROMPT or not base or not (r["decode_tok_s"] and base["decode_tok_s"]):
             continue
         step, step0 = batch / r["decode_tok_s"], batch / base["decode_tok_s"]
-        out[(run, kind, batch, prompt)] = {
+        out[(run, w, kind, batch, prompt)] = {
             "attn_ms": (step - step0) * 1e3,
             "attn_share": max(0.0, 1 - step0 / step),
         }
-    for (run, kind, batch, prompt), d in out.items():
-        dense = m3.get((run, "dense", batch, prompt))
+    for (run, w, kind, batch, prompt), d in out.items():
+        dense = m3.get((run, w, "dense", batch, prompt))
         if kind != "sparse" or not dense or not dense["decode_tok_s"]:
             continue
-        d["vs_dense"] = m3[(run, kind, batch, prompt)]["decode_tok_s"] / dense["decode_tok_s"]
-        dense_attn = out[(run, "dense", batch, prompt)].get("attn_ms", 0.0)
+        d["vs_dense"] = m3[(run, w, kind, batch, prompt)]["decode_tok_s"] / dense["decode_tok_s"]
+        dense_attn = out[(run, w, "dense", batch, prompt)].get("attn_ms", 0.0)
         if d.get("attn_ms", 0.0) > 0 and dense_attn > 0:
             d["attn_vs_dense"] = dense_attn / d["attn_ms"]
     return out
@@ -122,14 +131,22 @@ def m3_table(rows: list[dict]) -> str:
     extra = derive(rows)
     mine = sorted(
         (r for r in rows if r.get("sparse")),
-        key=lambda r: (r["model"], r["batch"], r["prompt"], r["run"], r["sparse"] == "sparse"),
+        key=lambda r: (
+            r["model"],
+            weights(r),
+            r["batch"],
+            r["prompt"],
+            r["run"],
+            r["sparse"] == "sparse",
+        ),
     )
     out = []
     for r in mine:
-        d = extra.get((r["run"], r["sparse"], r["batch"], r["prompt"]), {})
+        d = extra.get(_key(r), {})
         out.append(
             [
                 r["model"],
+                weights(r),
                 f"{r['batch']}x{r['prompt']}",
                 f"{r['sparse']} {r['kv']}",
                 round(r["decode_tok_s"], 1),
@@ -144,8 +161,9 @@ def m3_table(rows: list[dict]) -> str:
     return format_table(
         [
             "model",
+            "weights",
             "batch x prompt",
-            "attention",
+            "attention KV",
             "decode tok/s",
             f"vs dense (target >= {TARGET_TOK_S} at 16x128K)",
             "attention ms/step",

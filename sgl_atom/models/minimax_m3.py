@@ -21,6 +21,11 @@ layers/moe/moe_runner/triton_utils/fused_moe.py:619), which the shared expert th
 place of the normed hidden states; the CPU paths never write in place, so only the GPU was off
 (tiny m3 on an H200: max |dlogp| 0.40 against the float64 reference).
 
+Quantisation: ``--quantization fp8`` (an fp8 checkpoint, or a bf16 one quantised as it loads)
+reaches the attention, index and MLP projections and the routed and shared experts, as in
+SGLang's own M3 class; the router, the embedding and the LM head stay unquantised (a DSpark
+draft reads the last two). Other methods are refused at start-up.
+
 Layer taps (DSpark/DFlash drafts): :meth:`MiniMaxM3SparseForCausalLM.set_dflash_layers_to_capture`
 arms them as SGLang's Llama does (models/llama.py): the output of HF layer ``i`` is the residual
 stream entering layer ``i + 1`` (``h + residual``, as the input norm's fused add returns it), so
@@ -107,6 +112,23 @@ def check_atom_backend() -> None:
         )
 
 
+# --quantization methods this class builds its layers with (SGLang's fp8: an fp8 checkpoint, or
+# a bf16 one quantised at load); the router and the embedding/LM head stay unquantised
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantization(quant_config) -> None:
+    """Refuse a quantisation method this class was not built for, naming the ones it was."""
+    name = quant_config.get_name() if quant_config is not None else None
+    if name is not None and name not in QUANTIZATIONS:
+        raise M3ServingError(
+            f"sgl_atom's MiniMax-M3 model serves unquantised or {'/'.join(QUANTIZATIONS)} "
+            f"checkpoints, got quantization {name!r}: use --quantization "
+            f"{QUANTIZATIONS[0]} or none, or SGLang's class (unset "
+            "SGLANG_EXTERNAL_MODEL_PACKAGE)"
+        )
+
+
 def _backend(forward_batch):
     """The step's atom backend. SGLang 0.5.23 keeps the backend in the forward context and, for
     a config with ``sparse_attention_config``, wraps the chosen backend in its
@@ -125,13 +147,21 @@ def _backend(forward_batch):
 class M3MLP(nn.Module):
     """SiLU-and-mul MLP: ``down(silu(gate x) * up x)``."""
 
-    def __init__(self, hidden: int, inter: int, prefix: str = ""):
+    def __init__(self, hidden: int, inter: int, prefix: str = "", quant_config=None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter] * 2, bias=False, prefix=add_prefix("gate_up_proj", prefix)
+            hidden,
+            [inter] * 2,
+            bias=False,
+            quant_config=quant_config,
+            prefix=add_prefix("gate_up_proj", prefix),
         )
         self.down_proj = RowParallelLinear(
-            inter, hidden, bias=False, prefix=add_prefix("down_proj", prefix)
+            inter,
+            hidden,
+            bias=False,
+            quant_config=quant_config,
+            prefix=add_prefix("down_proj", prefix),
         )
         self.act_fn = SiluAndMul()
 
@@ -152,9 +182,10 @@ def route(logits: torch.Tensor, bias, top_k: int, scoring: str, scale: float):
 
 class M3MoE(nn.Module):
     """Routed experts in SGLang's ``FusedMoE`` (``w13`` = [w1; w3], ``w2``), routing as the
-    reference, plus the shared expert."""
+    reference, plus the shared expert. ``quant_config`` reaches the experts and the shared
+    expert; the router stays unquantised (its logits are taken in float32)."""
 
-    def __init__(self, config, layer_id: int, prefix: str = ""):
+    def __init__(self, config, layer_id: int, prefix: str = "", quant_config=None):
         super().__init__()
         if getattr(config, "swiglu_alpha", None) or getattr(config, "swiglu_limit", None):
             raise M3ServingError(
@@ -180,10 +211,16 @@ class M3MoE(nn.Module):
             activation="silu",
             gate_up_interleaved=False,
             inplace=False,  # the shared expert reads x after the routed experts
+            quant_config=quant_config,
         )
         shared = getattr(config, "n_shared_experts", 0) or 0
         self.shared_experts = (
-            M3MLP(h, config.intermediate_size * shared, add_prefix("shared_experts", prefix))
+            M3MLP(
+                h,
+                config.intermediate_size * shared,
+                add_prefix("shared_experts", prefix),
+                quant_config,
+            )
             if shared
             else None
         )
@@ -203,7 +240,14 @@ class M3Attention(nn.Module):
     """GQA attention with per-head norms and partial NeoX RoPE; sparse layers add the index
     q/k projections and attend through the step's atom backend's ``forward_sparse``."""
 
-    def __init__(self, config, layer_id: int, sparse: SparseConfig | None, prefix: str = ""):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        sparse: SparseConfig | None,
+        prefix: str = "",
+        quant_config=None,
+    ):
         super().__init__()
         if getattr(config, "qk_norm_type", "per_layer") != "per_head":
             raise M3ServingError(
@@ -220,10 +264,15 @@ class M3Attention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             bias=False,
+            quant_config=quant_config,
             prefix=add_prefix("qkv_proj", prefix),
         )
         self.o_proj = RowParallelLinear(
-            self.num_heads * hd, h, bias=False, prefix=add_prefix("o_proj", prefix)
+            self.num_heads * hd,
+            h,
+            bias=False,
+            quant_config=quant_config,
+            prefix=add_prefix("o_proj", prefix),
         )
         # this TP rank's heads (SGLang's cut: KV heads replicated when TP exceeds them)
         tp = get_parallel().tp_size
@@ -255,10 +304,18 @@ class M3Attention(nn.Module):
         if self.sparse is not None:
             idim, nidx = self.sparse.index_dim, self.sparse.num_index_heads
             self.index_q_proj = ReplicatedLinear(
-                h, nidx * idim, bias=False, prefix=add_prefix("index_q_proj", prefix)
+                h,
+                nidx * idim,
+                bias=False,
+                quant_config=quant_config,
+                prefix=add_prefix("index_q_proj", prefix),
             )
             self.index_k_proj = ReplicatedLinear(
-                h, idim, bias=False, prefix=add_prefix("index_k_proj", prefix)
+                h,
+                idim,
+                bias=False,
+                quant_config=quant_config,
+                prefix=add_prefix("index_k_proj", prefix),
             )
             self.index_q_norm, self.index_k_norm = _norm(config, idim), _norm(config, idim)
 
@@ -294,14 +351,25 @@ class M3Attention(nn.Module):
 
 
 class M3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, sparse: SparseConfig | None, prefix: str = ""):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        sparse: SparseConfig | None,
+        prefix: str = "",
+        quant_config=None,
+    ):
         super().__init__()
         h = config.hidden_size
-        self.self_attn = M3Attention(config, layer_id, sparse, add_prefix("self_attn", prefix))
+        self.self_attn = M3Attention(
+            config, layer_id, sparse, add_prefix("self_attn", prefix), quant_config
+        )
         if config.moe_layer_freq[layer_id]:
-            self.mlp = M3MoE(config, layer_id, add_prefix("mlp", prefix))
+            self.mlp = M3MoE(config, layer_id, add_prefix("mlp", prefix), quant_config)
         else:
-            self.mlp = M3MLP(h, config.dense_intermediate_size, add_prefix("mlp", prefix))
+            self.mlp = M3MLP(
+                h, config.dense_intermediate_size, add_prefix("mlp", prefix), quant_config
+            )
         self.input_layernorm = _norm(config, h)
         self.post_attention_layernorm = _norm(config, h)
 
@@ -344,7 +412,7 @@ class M3Model(nn.Module):
     # class-level defaults: whole model, no sparse layers (tests build the stack by hand)
     sparse: SparseConfig | None = None
 
-    def __init__(self, config, sparse: SparseConfig | None, prefix: str = ""):
+    def __init__(self, config, sparse: SparseConfig | None, prefix: str = "", quant_config=None):
         super().__init__()
         pp = get_parallel().pp_group
         self.sparse = sparse
@@ -357,7 +425,7 @@ class M3Model(nn.Module):
         )
         self.layers, self.start_layer, self.end_layer = make_pp_layers(
             config.num_hidden_layers,
-            lambda idx, prefix: M3DecoderLayer(config, idx, sparse, prefix),
+            lambda idx, prefix: M3DecoderLayer(config, idx, sparse, prefix, quant_config),
             prefix=add_prefix("layers", prefix),
         )
         self.norm = (
@@ -428,17 +496,13 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
-        if quant_config is not None:
-            raise M3ServingError(
-                "sgl_atom's MiniMax-M3 model serves unquantised checkpoints only; drop "
-                "--quantization or use SGLang's class (unset SGLANG_EXTERNAL_MODEL_PACKAGE)"
-            )
+        check_quantization(quant_config)
         self.config = config
         self.sparse = SparseConfig.from_hf(config, config.num_key_value_heads, config.head_dim)
         if self.sparse is not None:
             self._check_sparse(config)
             check_atom_backend()
-        self.model = M3Model(config, self.sparse, add_prefix("model", prefix))
+        self.model = M3Model(config, self.sparse, add_prefix("model", prefix), quant_config)
         self.lm_head = (
             ParallelLMHead(
                 config.vocab_size, config.hidden_size, prefix=add_prefix("lm_head", prefix)
@@ -591,11 +655,12 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
 
     def _stacked(self, name: str):
         """(parameter name, shard): shard is a QKV/gate-up index, (w1|w2|w3, expert) for a
-        routed expert's weight (into FusedMoE's w13/w2), or None."""
+        routed expert's tensor (into FusedMoE's w13_*/w2_*: the weight, and under fp8 its
+        ``weight_scale``/``weight_scale_inv``/``input_scale``), or None."""
         if ".experts." in name:
             layer, rest = name.split(".experts.", 1)
-            expert, w = rest.split(".")[:2]
-            return f"{layer}.experts.{'w2' if w == 'w2' else 'w13'}_weight", (w, int(expert))
+            expert, w, kind = rest.split(".", 2)
+            return f"{layer}.experts.{'w2' if w == 'w2' else 'w13'}_{kind}", (w, int(expert))
         for param_name, weight_name, shard in self.stacked_params:
             if weight_name in name:
                 return name.replace(weight_name, param_name), shard

@@ -43,10 +43,10 @@ def test_written_checkpoint_is_servable_at_the_m3_shape(tmp_path, dense):
     MiniMaxM3SparseForCausalLM._check_sparse(hf)
 
 
-def _row(run, kind, batch, prompt, tok_s):
+def _row(run, kind, batch, prompt, tok_s, **extra):
     return dict(
         model="m3-shape", kv="bf16", run=run, sparse=kind, batch=batch, prompt=prompt,
-        decode_tok_s=tok_s, ttft_s=1.0,
+        decode_tok_s=tok_s, ttft_s=1.0, **extra,
     )  # fmt: skip
 
 
@@ -56,6 +56,7 @@ def test_derived_attention_share_and_ratios_follow_the_step_times():
     # step times (s): the short-context step is the non-attention cost of each model
     base_s, base_d = rng.uniform(0.01, 0.02), rng.uniform(0.01, 0.02)
     attn_s, attn_d = rng.uniform(0.001, 0.005), rng.uniform(0.05, 0.2)
+    fp8 = rng.uniform(0.4, 0.6)  # the fp8-weight model's share of the non-attention step
     rows = [
         _row("r1", "sparse", b, m3.BASE_PROMPT, b / base_s),
         _row("r1", "sparse", b, long, b / (base_s + attn_s)),
@@ -63,20 +64,33 @@ def test_derived_attention_share_and_ratios_follow_the_step_times():
         _row("r1", "dense", b, long, b / (base_d + attn_d)),
         # another run's dense row of the same workload is not compared with r1's sparse one
         _row("r0", "dense", b, long, 1.0),
+        # the same run with fp8 weights: compared with its own dense rows only
+        _row("r1", "sparse", b, m3.BASE_PROMPT, b / (fp8 * base_s), weights="fp8"),
+        _row("r1", "sparse", b, long, b / (fp8 * base_s + attn_s), weights="fp8"),
+        _row("r1", "dense", b, m3.BASE_PROMPT, b / (fp8 * base_d), weights="fp8"),
+        _row("r1", "dense", b, long, b / (fp8 * base_d + attn_d), weights="fp8"),
     ]
     d = m3.derive(rows)
-    sparse = d[("r1", "sparse", b, long)]
+    sparse = d[("r1", "bf16", "sparse", b, long)]
     assert sparse["attn_ms"] == pytest.approx(attn_s * 1e3)
     assert sparse["attn_share"] == pytest.approx(attn_s / (base_s + attn_s))
     assert sparse["vs_dense"] == pytest.approx((base_d + attn_d) / (base_s + attn_s))
     assert sparse["attn_vs_dense"] == pytest.approx(attn_d / attn_s)
-    assert d[("r1", "dense", b, long)]["attn_share"] == pytest.approx(attn_d / (base_d + attn_d))
-    assert "vs_dense" not in d[("r1", "dense", b, long)]
+    dense = d[("r1", "bf16", "dense", b, long)]
+    assert dense["attn_share"] == pytest.approx(attn_d / (base_d + attn_d))
+    assert "vs_dense" not in dense
     # the baseline itself: compared with the dense model, no attention part of its own
-    assert d[("r1", "sparse", b, m3.BASE_PROMPT)] == {"vs_dense": pytest.approx(base_d / base_s)}
-    assert d[("r0", "dense", b, long)] == {}  # no baseline in its run
+    got = d[("r1", "bf16", "sparse", b, m3.BASE_PROMPT)]
+    assert got == {"vs_dense": pytest.approx(base_d / base_s)}
+    assert d[("r0", "bf16", "dense", b, long)] == {}  # no baseline in its run
+    quant = d[("r1", "fp8", "sparse", b, long)]
+    assert quant["attn_ms"] == pytest.approx(attn_s * 1e3)
+    want = (fp8 * base_d + attn_d) / (fp8 * base_s + attn_s)
+    assert quant["vs_dense"] == pytest.approx(want)
+    assert quant["attn_vs_dense"] == pytest.approx(attn_d / attn_s)
     table = m3.m3_table(rows)
     assert f"{attn_d / attn_s:.1f}" in table and "16x131072" in table
+    assert f"{want:.2f}" in table and f"{(base_d + attn_d) / (base_s + attn_s):.2f}" in table
 
 
 def test_every_batch_gets_its_short_baseline_first():

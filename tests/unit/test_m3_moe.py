@@ -158,3 +158,118 @@ def test_route_margin_is_the_gap_to_the_first_expert_left_out(scoring):
     assert margin[5].item() == 0.0
     assert (margin[:5] > 0).all()
     assert route_margin(logits, bias, 8, scoring).isinf().all()
+
+
+# ---- --quantization fp8: what the block builds and how an fp8 checkpoint loads into it ------
+
+
+def _fp8_moe(context):
+    """An M3MoE built for a per-tensor fp8 checkpoint (SGLang's Fp8Config, dynamic activations)."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from sgl_atom.models.minimax_m3 import M3MoE
+
+    cfg = SimpleNamespace(
+        hidden_size=HIDDEN,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        intermediate_size=INTER,
+        scoring_func="sigmoid",
+        use_routing_bias=True,
+        n_shared_experts=1,
+    )
+    quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with _active(context):
+            return M3MoE(cfg, layer_id=1, quant_config=quant)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_fp8_reaches_the_experts_and_the_shared_expert_not_the_router(context):
+    moe = _fp8_moe(context)
+    methods = {
+        n: type(m.quant_method).__name__
+        for n, m in moe.named_modules()
+        if getattr(m, "quant_method", None) is not None
+    }
+    assert methods["experts"] == "Fp8MoEMethod"
+    assert methods["shared_experts.gate_up_proj"] == "Fp8LinearMethod"
+    assert methods["shared_experts.down_proj"] == "Fp8LinearMethod"
+    assert methods["gate"] == "UnquantizedLinearMethod"
+    assert moe.experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert moe.gate.weight.dtype == torch.bfloat16
+
+
+def test_an_fp8_checkpoint_loads_every_expert_weight_and_scale_into_its_slot(context):
+    """load_weights of the model class, on a stack holding one fp8 MoE layer: each expert's
+    w1/w3/w2 bytes and per-tensor scales land in FusedMoE's w13/w2 slots (w1 first), the
+    shared expert's in its merged projection, and nothing is left unloaded."""
+    from torch import nn
+
+    from sgl_atom.models.minimax_m3 import MiniMaxM3SparseForCausalLM
+
+    moe = _fp8_moe(context)
+    lm = MiniMaxM3SparseForCausalLM.__new__(MiniMaxM3SparseForCausalLM)
+    nn.Module.__init__(lm)
+    lm.model = nn.Module()
+    lm.model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    lm.model.layers[1].mlp = moe
+    lm.model.start_layer, lm.model.end_layer = 0, 2
+    gen = torch.Generator().manual_seed(7)
+
+    def fp8(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+
+    def scale():
+        return torch.rand((), generator=gen) + 0.5
+
+    p = "model.layers.1.block_sparse_moe."
+    ckpt = {p + "gate.weight": torch.randn(EXPERTS, HIDDEN, generator=gen).bfloat16()}
+    ckpt[p + "e_score_correction_bias"] = torch.randn(EXPERTS, generator=gen)
+    for e in range(EXPERTS):
+        for w, shape in (("w1", (INTER, HIDDEN)), ("w3", (INTER, HIDDEN)), ("w2", (HIDDEN, INTER))):
+            ckpt[f"{p}experts.{e}.{w}.weight"] = fp8(*shape)
+            ckpt[f"{p}experts.{e}.{w}.weight_scale"] = scale()
+    for w, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN))):
+        ckpt[f"{p}shared_experts.{w}.weight"] = fp8(*shape)
+        ckpt[f"{p}shared_experts.{w}.weight_scale"] = scale()
+    ckpt[f"{p}shared_experts.down_proj.weight"] = fp8(HIDDEN, INTER)
+    ckpt[f"{p}shared_experts.down_proj.weight_scale"] = scale()
+
+    with _active(context):
+        loaded = lm.load_weights(ckpt.items())
+    assert loaded == {n for n, _ in lm.named_parameters()}
+    ex = moe.experts
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    for e in range(EXPERTS):
+        c = f"{p}experts.{e}."
+        assert same(ex.w13_weight[e, :INTER], ckpt[c + "w1.weight"])
+        assert same(ex.w13_weight[e, INTER:], ckpt[c + "w3.weight"])
+        assert same(ex.w2_weight[e], ckpt[c + "w2.weight"])
+        assert ex.w13_weight_scale[e].tolist() == [
+            ckpt[c + "w1.weight_scale"].item(),
+            ckpt[c + "w3.weight_scale"].item(),
+        ]
+        assert ex.w2_weight_scale[e].item() == ckpt[c + "w2.weight_scale"].item()
+    shared = moe.shared_experts.gate_up_proj
+    assert same(shared.weight[:INTER], ckpt[p + "shared_experts.gate_proj.weight"])
+    assert same(shared.weight[INTER:], ckpt[p + "shared_experts.up_proj.weight"])
+    assert shared.weight_scale.tolist() == [
+        ckpt[p + "shared_experts.gate_proj.weight_scale"].item(),
+        ckpt[p + "shared_experts.up_proj.weight_scale"].item(),
+    ]
+
+
+def test_a_quantization_other_than_fp8_is_refused_naming_fp8():
+    from sgl_atom.models.minimax_m3 import M3ServingError, check_quantization
+
+    check_quantization(None)
+    check_quantization(SimpleNamespace(get_name=lambda: "fp8"))
+    with pytest.raises(M3ServingError, match="got quantization 'awq'.*--quantization fp8"):
+        check_quantization(SimpleNamespace(get_name=lambda: "awq"))
