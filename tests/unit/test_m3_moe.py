@@ -50,8 +50,8 @@ def _active(context):
         yield
 
 
-def _moe(context, seed: int):
-    """An M3MoE in bf16 (router bias in float32) with random weights."""
+def _build(context, quant_config=None):
+    """An M3MoE as SGLang's model loader builds it: bf16 default dtype (router bias float32)."""
     from sgl_atom.models.minimax_m3 import M3MoE
 
     cfg = SimpleNamespace(
@@ -65,12 +65,17 @@ def _moe(context, seed: int):
         n_shared_experts=1,
     )
     before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as SGLang's model loader builds the model
+    torch.set_default_dtype(torch.bfloat16)
     try:
         with _active(context):
-            moe = M3MoE(cfg, layer_id=1)
+            return M3MoE(cfg, layer_id=1, quant_config=quant_config)
     finally:
         torch.set_default_dtype(before)
+
+
+def _moe(context, seed: int):
+    """An unquantised M3MoE with random weights."""
+    moe = _build(context)
     gen = torch.Generator().manual_seed(seed)
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
@@ -167,25 +172,8 @@ def _fp8_moe(context):
     """An M3MoE built for a per-tensor fp8 checkpoint (SGLang's Fp8Config, dynamic activations)."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
-    from sgl_atom.models.minimax_m3 import M3MoE
-
-    cfg = SimpleNamespace(
-        hidden_size=HIDDEN,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        intermediate_size=INTER,
-        scoring_func="sigmoid",
-        use_routing_bias=True,
-        n_shared_experts=1,
-    )
     quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic")
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with _active(context):
-            return M3MoE(cfg, layer_id=1, quant_config=quant)
-    finally:
-        torch.set_default_dtype(before)
+    return _build(context, quant)
 
 
 def test_fp8_reaches_the_experts_and_the_shared_expert_not_the_router(context):
