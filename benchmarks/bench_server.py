@@ -37,6 +37,11 @@ the same model all dense, at 32K/64K/128K context and batch 1 and 16 (rows with 
 table is the third one in server.md, their plot server_m3.png. With `--cpu-smoke`, on the tiny
 m3 shape on CPU.
 
+`--profile-steps N` adds, after each timed decode, one more run of the same batch under SGLang's
+profiler (N decode steps, `server_profile.py`): per step, the GPU's busy and idle time, its
+kernels by time, and its longest idle gaps with the host operations across them, appended to
+server_profile.md in --out.
+
 `--pd` measures a P/D pair on one GPU against a unified server (`server_pd.py`): TTFT at batch
 1 per prompt length and the KV each request moves (bytes, NIXL descriptors, write time, GB/s,
 from the prefill's `SGL_ATOM_PD_TRANSFER_LOG` lines); rows with "pd": "unified" / "pair", their
@@ -67,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import server_dspark as dspark  # noqa: E402
 import server_m3 as m3  # noqa: E402
 import server_pd as pd  # noqa: E402
+import server_profile  # noqa: E402
 
 from sgl_atom.testing.server import Server, ServerPool  # noqa: E402
 
@@ -237,12 +243,30 @@ def log_decode_rate(log: str, batch: int) -> tuple[float, int]:
     return rates[len(rates) // 2], len(rates)
 
 
-def timed_decode(srv: Server, vocab: int, batch: int, prompt: int, output: int, warm=False):
+@dataclass
+class Profiling:
+    """``--profile-steps``: decode steps to profile after each timed decode (0: none), where
+    the traces go, and the markdown file the reports are appended to."""
+
+    steps: int = 0
+    traces: Path | None = None
+    report: Path | None = None
+    activities: tuple[str, ...] = ("CPU", "GPU")
+
+
+PROFILE = Profiling()
+
+
+def timed_decode(
+    srv: Server, vocab: int, batch: int, prompt: int, output: int, warm=False, graphs_per_step=1
+):
     """(TTFT s, the server log written while ``output`` tokens decoded, client tokens/s).
 
     ``warm``: a short untimed run of the same batch first. The DSpark draft runs eagerly, so
     its Triton kernels compile at the first step of each new batch shape (a plain decode runs
-    in CUDA graphs captured at start-up); without it the client figure holds those compiles."""
+    in CUDA graphs captured at start-up); without it the client figure holds those compiles.
+    With ``PROFILE.steps``, the same batch decodes once more under the profiler
+    (``graphs_per_step``: CUDA graph launches per step, for the report)."""
     ids = random_prompts(batch, prompt, vocab, seed=batch * 100003 + prompt)
     if warm:
         generate(srv, ids, 9)
@@ -250,7 +274,45 @@ def timed_decode(srv: Server, vocab: int, batch: int, prompt: int, output: int, 
     mark = len(srv.log_text())
     total = generate(srv, ids, output)
     client = batch * (output - 1) / (total - ttft) if total > ttft else 0.0  # 0: not measurable
-    return ttft, srv.log_text()[mark:], client
+    log = srv.log_text()[mark:]
+    if PROFILE.steps:
+        # enough tokens for steps + 1 decode steps (the profiler stops at the one after the
+        # last), even when a speculative step commits up to 8 tokens
+        new = max(output, 8 * (PROFILE.steps + 2))
+        profile_step(srv, ids, new, f"{srv.name}-{batch}x{prompt}", graphs_per_step)
+    return ttft, log, client
+
+
+def profile_step(srv: Server, ids, output: int, label: str, graphs_per_step: int) -> None:
+    """Decode ``ids`` once more with SGLang's profiler on for ``PROFILE.steps`` decode steps;
+    the breakdown is printed and appended to ``PROFILE.report``."""
+    import requests
+
+    def post(path: str, payload: dict) -> None:
+        requests.post(srv.url + path, json=payload, timeout=60).raise_for_status()
+
+    trace = server_profile.profile_decode(
+        post,
+        lambda: generate(srv, ids, output),
+        PROFILE.traces,
+        label,
+        PROFILE.steps,
+        activities=PROFILE.activities,
+    )
+    if trace is None:
+        print(f"[bench_server] {label}: no decode trace written", flush=True)
+        return
+    events = server_profile.load(trace)
+    a = server_profile.analyze(events, PROFILE.steps, graphs_per_step)
+    md = server_profile.report(label, a)
+    with open(PROFILE.report, "a") as f:
+        f.write(md + "\n")
+    if a.get("steps"):
+        print(
+            f"[bench_server] profile {label}: {a['wall_ms_per_step']:.3f} ms/step, GPU busy "
+            f"{a['gpu_busy_ms_per_step']:.3f} ms ({a['gpu_busy_fraction']:.0%})",
+            flush=True,
+        )
 
 
 def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, extra=None) -> Row:
@@ -279,7 +341,9 @@ def run_spec_workload(
     """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s (and
     over ``serial``'s, the plain decode without overlap scheduling, when measured)."""
     vocab = MODELS[plain.model]["vocab_size"]
-    ttft, log, client = timed_decode(srv, vocab, plain.batch, plain.prompt, plain.output, warm=True)
+    ttft, log, client = timed_decode(
+        srv, vocab, plain.batch, plain.prompt, plain.output, warm=True, graphs_per_step=2
+    )
     rate, accept, n = dspark.spec_log_rate(log, plain.batch)
     rate, accept = rate or client, accept or forced + 1
     if abs(accept - (forced + 1)) > 0.05:
@@ -702,6 +766,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--m3-kinds", default="sparse,dense", help="M3 servers: its sparse layers, all dense"
     )
     ap.add_argument("--logs", default="", help="folder for each server's full log")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each timed decode, profile this many decode steps of the same batch "
+        "(server_profile.md in --out)",
+    )
     args = ap.parse_args(argv)
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
         raise SystemExit(f"--m3-kinds: {sorted(bad)} unknown; give sparse, dense or both")
@@ -810,6 +881,16 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python benchmarks/bench_server.py " + " ".join(argv or sys.argv[1:]),
         "copy_gbps": round(gbps, 1),
     }
+    if args.profile_steps:
+        PROFILE.steps = args.profile_steps
+        PROFILE.traces = Path(tempfile.mkdtemp(prefix="bench_server_traces-"))
+        PROFILE.report = Path(args.out) / "server_profile.md"
+        PROFILE.activities = ("CPU",) if args.cpu_smoke else ("CPU", "GPU")
+        PROFILE.report.parent.mkdir(parents=True, exist_ok=True)
+        PROFILE.report.write_text(
+            f"# Decode steps under SGLang's profiler\n\n{header['machine']}, {header['date']}, "
+            f"run {run_id}\n\n`{header['command']}`\n\n"
+        )
     rows = run_suite(args, gbps, run_id, lambda rows: write_results(Path(args.out), header, rows))
     print(write_results(Path(args.out), header, rows))
 

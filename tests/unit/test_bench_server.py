@@ -148,3 +148,69 @@ def test_spec_table_sets_each_dspark_step_beside_both_plain_decodes():
     ]  # fmt: skip
     assert float(cells[3][7]) == pytest.approx(accept * plain / rate, rel=5e-3)
     assert float(cells[3][8]) == pytest.approx(accept * serial / rate, rel=5e-3)
+
+
+def _synthetic_trace(rng: random.Random, steps: int):
+    """A Chrome trace of ``steps`` decode steps: per step a graph launch, then kernels back to
+    back (one overlapping its neighbour, on a second stream), then a GPU idle gap covered by a
+    host op; with the figures analyze() must find."""
+    events, t = [], 1000.0
+    kernel_ms: dict[str, float] = {}
+    busy = idle = 0.0
+    gaps = []
+    for step in range(steps):
+        events.append(dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", ts=t - 5, dur=3))
+        start = t
+        for name in ("gemm", "attn", "gemm"):
+            dur = rng.uniform(50, 400)
+            events.append(dict(ph="X", cat="kernel", name=name, ts=t, dur=dur))
+            kernel_ms[name] = kernel_ms.get(name, 0.0) + dur / 1e3
+            t += dur
+        # a copy on another stream, inside the busy span: counted once in the busy time
+        events.append(dict(ph="X", cat="gpu_memcpy", name="Memcpy DtoD", ts=start + 10, dur=20))
+        kernel_ms["Memcpy DtoD"] = kernel_ms.get("Memcpy DtoD", 0.0) + 0.02
+        busy += (t - start) / 1e3
+        if step < steps - 1:
+            gap = rng.uniform(100, 900)
+            host = f"host_work_{step}"
+            events.append(
+                dict(ph="X", cat="python_function", name="scheduler", ts=t - 50, dur=gap + 100)
+            )
+            events.append(dict(ph="X", cat="cpu_op", name=host, ts=t + 1, dur=gap - 2))
+            gaps.append((gap / 1e3, host))
+            idle += gap / 1e3
+            t += gap
+    events.append(dict(ph="i", name="instant marker", ts=t))  # not a complete event: skipped
+    return events, kernel_ms, busy, idle, sorted(gaps, reverse=True)
+
+
+def test_profile_analysis_splits_the_span_into_kernels_busy_and_idle_gaps(tmp_path):
+    import gzip
+
+    import server_profile as prof
+
+    rng = random.Random()
+    steps = rng.randint(3, 8)
+    events, kernel_ms, busy, idle, gaps = _synthetic_trace(rng, steps)
+    path = tmp_path / "x-TP-0-DECODE.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    a = prof.analyze(prof.load(path), graphs_per_step=1)  # steps from the graph launches
+    assert a["steps"] == steps and a["graph_launches"] == steps
+    assert a["gpu_busy_ms_per_step"] == pytest.approx(busy / steps)
+    assert a["gpu_idle_ms_per_step"] == pytest.approx(idle / steps)
+    assert a["wall_ms_per_step"] == pytest.approx((busy + idle) / steps)
+    got = {k["name"]: k["ms_per_step"] for k in a["kernels"]}
+    assert got == pytest.approx({n: ms / steps for n, ms in kernel_ms.items()})
+    assert [k["name"] for k in a["kernels"]][0] == max(kernel_ms, key=kernel_ms.get)
+    assert [g["ms"] for g in a["gaps"]] == pytest.approx([g for g, _ in gaps])
+    # the host ops across each gap, innermost first: the next step's graph launch, the op
+    # that ran across it, then the enclosing scheduler span
+    want = [["cudaGraphLaunch", h, "scheduler"] for _, h in gaps]
+    assert [g["host"] for g in a["gaps"]] == want
+    assert prof.analyze(prof.load(path), steps=2 * steps)["steps"] == 2 * steps
+    assert prof.analyze(prof.load(path), graphs_per_step=2)["steps"] == max(1, round(steps / 2))
+    md = prof.report("x", a)
+    assert f"{a['wall_ms_per_step']:.3f} ms per step" in md and "`host_work_0`" in md
+    cpu_only = [e for e in events if e.get("cat") != "kernel" and e.get("cat") != "gpu_memcpy"]
+    assert prof.analyze(cpu_only)["steps"] == 0
