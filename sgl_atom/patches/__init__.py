@@ -424,7 +424,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         f"{_NGRAM}._prepare_for_speculative_decoding",
         "method",
         "sgl_atom.speculative.dspark.worker",
-        "builds the verify input (tree mask, positions, cache locs) from _prepare_draft_tokens",
+        "overridden: the chain's verify input built on the device; the n-gram one (tree mask, "
+        "positions, cache locs from _prepare_draft_tokens) for a batch with a grammar",
     ),
     PrivateName(
         "sglang.srt.speculative.ngram_worker.USE_FULL_MASK",
@@ -459,6 +460,25 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "adaptive_controller",
             "grammar_tree_host",
             "max_trie_depth",
+        )
+    ),
+    *(
+        PrivateName(
+            f"{_NGRAM}.{attr}",
+            "instance attribute",
+            "sgl_atom.speculative.dspark.worker",
+            "the verify-input buffers NGRAMWorker.alloc_memory_pool allocates (per batch size "
+            "views of one buffer each), filled on the device by the worker's chain verify input",
+        )
+        for attr in (
+            "max_batch_size",
+            "tree_mask",
+            "draft_tokens_batch",
+            "tree_mask_batch",
+            "positions_batch",
+            "retrieve_indexes_batch",
+            "retrieve_next_token_batch",
+            "retrieve_next_sibling_batch",
         )
     ),
     PrivateName(

@@ -9,7 +9,9 @@ Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
   verifies ``[anchor, d_0 .. d_{k-1}]`` as a chain through SGLang's tree-verify path (the
   NGRAM worker's, with a lower-triangular mask); the longest matching prefix plus the target's
   own next token is committed, and the draft writes the context K/V of the committed rows from
-  the verify pass's taps.
+  the verify pass's taps. The verify input is built on the device from the draft's tokens:
+  nothing waits for the draft pass between its launch and the verify's (the n-gram path reads
+  its drafts on the host; it still serves a batch with a grammar, whose mask is built there).
 
 With ``--atom-dspark-forced-accept N`` (benchmarking only, :mod:`.forced_accept`) every verify
 commits N drafts plus one target token per request, whatever the drafts were.
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_func
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
@@ -45,6 +49,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
+from sglang.srt.speculative.spec_utils import prepare_mamba_track_for_verify
 
 from ... import envs
 from ...log import get_logger
@@ -139,6 +144,9 @@ class AtomDSparkWorker(NGRAMWorker):
 
     def alloc_memory_pool(self, **kwargs) -> None:
         super().alloc_memory_pool(**kwargs)
+        # every batch size's mask buffer is a prefix of this one: the chain mask, once
+        chain = self._chain_mask(self.max_batch_size)
+        self.tree_mask.copy_(torch.from_numpy(chain))
         if not self.holds_draft:
             return
         cfg = self.draft.dspark
@@ -249,34 +257,94 @@ class AtomDSparkWorker(NGRAMWorker):
 
     # ---------------------------------------------------------------- propose
 
-    def _prepare_draft_tokens(self, batch: ScheduleBatch) -> tuple[np.ndarray, np.ndarray]:
-        bs, n = len(batch.reqs), self.draft_token_num
-        anchors = torch.tensor(
-            [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs],
-            dtype=torch.int64,
-            device=self.device,
-        )
+    def _anchors(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Each request's last committed token, on the device. From pinned memory on CUDA:
+        a copy from pageable memory would first wait for the stream's queued work."""
+        ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
+        if torch.device(self.device).type != "cuda":
+            return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        host = torch.tensor(ids, dtype=torch.int64, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
+
+    def _verify_block(self, batch: ScheduleBatch) -> torch.Tensor:
+        """[bs, k + 1] on the device: each request's anchor and its k draft tokens."""
+        anchors = self._anchors(batch)
         if self.propose_enabled:
             drafts = self._propose(batch, anchors)
         else:
-            drafts = anchors[:, None].expand(-1, n - 1)
-        tokens = torch.cat([anchors[:, None], drafts], dim=1)
-        chain = np.tril(np.ones((n, n), dtype=bool))
-        return tokens.reshape(-1).cpu().numpy(), np.tile(chain.reshape(-1), bs)
+            drafts = anchors[:, None].expand(-1, self.draft_token_num - 1)
+        return torch.cat([anchors[:, None], drafts], dim=1)
+
+    def _chain_mask(self, bs: int) -> np.ndarray:
+        n = self.draft_token_num
+        return np.tile(np.tril(np.ones((n, n), dtype=bool)).reshape(-1), bs)
+
+    def _prepare_draft_tokens(self, batch: ScheduleBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The n-gram path's hook (a batch with a grammar): the block and its chain mask on
+        the host."""
+        tokens = self._verify_block(batch)
+        return tokens.reshape(-1).cpu().numpy(), self._chain_mask(len(batch.reqs))
 
     def _prepare_for_speculative_decoding(self, batch: ScheduleBatch) -> None:
-        """SGLang's n-gram verify input, without its full verify mask. On CUDA the n-gram path
-        also builds a [k + 1, context + k + 1] mask per request (``USE_FULL_MASK``: a tensor of
-        ones per request and a concatenation each, in a Python loop, at every step) for the
-        attention backends that read one; the atom backend, which ATOM_DSPARK requires, reads
-        none (a chain verify is causal), so that work is skipped, as SGLang itself skips it on
-        CPU. The scheduler is one thread: the module global is restored before returning."""
-        full = ngram_worker.USE_FULL_MASK
-        ngram_worker.USE_FULL_MASK = False
-        try:
-            super()._prepare_for_speculative_decoding(batch)
-        finally:
-            ngram_worker.USE_FULL_MASK = full
+        """The verify input of a chain, as SGLang's n-gram path builds it (the same buffers,
+        kernels and ``NgramVerifyInput``), with the block's tokens copied on the device
+        instead of read back to the host, and no full verify mask.
+
+        The n-gram path reads its drafts on the host (``_prepare_draft_tokens`` returns numpy,
+        copied back to the device): for the DSpark draft that is a wait for the draft pass,
+        after which the GPU idles while the host prepares the verify. Here the host goes on
+        to the verify while the draft runs. The chain mask is the same at every step; it is in
+        the mask buffer from ``alloc_memory_pool`` on. A batch with a grammar takes the n-gram
+        path: SGLang builds its grammar mask from the host drafts.
+
+        On CUDA the n-gram path also builds a [k + 1, context + k + 1] mask per request
+        (``USE_FULL_MASK``) for the attention backends that read one; the atom backend, which
+        ATOM_DSPARK requires, reads none (a chain verify is causal), so neither path builds it
+        (the module global is off around the n-gram call; the scheduler is one thread)."""
+        if not batch.forward_mode.is_decode():
+            return
+        if batch.has_grammar:
+            full = ngram_worker.USE_FULL_MASK
+            ngram_worker.USE_FULL_MASK = False
+            try:
+                super()._prepare_for_speculative_decoding(batch)
+            finally:
+                ngram_worker.USE_FULL_MASK = full
+            return
+        bs, n = len(batch.reqs), self.draft_token_num
+        draft_tokens = self.draft_tokens_batch[bs]
+        draft_tokens.copy_(self._verify_block(batch).reshape(-1))
+        tree_mask, positions = self.tree_mask_batch[bs], self.positions_batch[bs]
+        retrieve = (
+            self.retrieve_indexes_batch[bs],
+            self.retrieve_next_token_batch[bs],
+            self.retrieve_next_sibling_batch[bs],
+        )
+        self.grammar_tree_host = None
+        reconstruct_indices_from_tree_mask_func(
+            tree_mask, batch.seq_lens, positions, *retrieve, bs, n
+        )
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = draft_tokens
+        batch.out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens,
+            end_offset=batch.seq_lens + n,
+            batch_size=bs,
+            draft_token_num=n,
+            device=self.device,
+        )
+        prepare_mamba_track_for_verify(batch)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=draft_tokens,
+            custom_mask=tree_mask,
+            positions=positions,
+            retrieve_index=retrieve[0],
+            retrieve_next_token=retrieve[1],
+            retrieve_next_sibling=retrieve[2],
+            draft_token_num=n,
+        )
 
     @staticmethod
     def _max_seq_len(batch: ScheduleBatch) -> int:

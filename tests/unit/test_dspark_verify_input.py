@@ -1,0 +1,101 @@
+"""The ATOM_DSPARK worker's verify input, built on the device, equals the one SGLang's n-gram
+path builds from the same draft tokens on the host (its path for a batch with a grammar):
+tokens, positions, cache slots, the chain mask and the retrieve indices, for random batches.
+
+The worker module imports SGLang's n-gram worker, which needs a CUDA driver: the check runs in
+a child process with the CPU-mode shim and sgl_atom's CPU speculative ops, as a CPU server
+does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sgl_atom import cpu_mode
+
+CHECK = r"""
+import random, sys, types
+import torch
+from sgl_atom import cpu_spec_ops
+cpu_spec_ops.install()
+from sglang.srt.speculative import ngram_worker
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_atom.speculative.dspark import worker as dspark_worker
+from sgl_atom.speculative.dspark.worker import AtomDSparkWorker
+
+# no mamba state here (both paths call it)
+ngram_worker.prepare_mamba_track_for_verify = lambda batch: None
+dspark_worker.prepare_mamba_track_for_verify = lambda batch: None
+FIELDS = ("input_ids", "loc", "draft", "mask", "pos", "ri", "rn", "rs")
+
+
+def worker(n, max_bs):
+    w = AtomDSparkWorker.__new__(AtomDSparkWorker)
+    w.device, w.draft_token_num, w.holds_draft = "cpu", n, False
+    w.propose_enabled, w.grammar_tree_host = True, None
+    w._target_worker = types.SimpleNamespace(get_memory_pool=lambda: (None, None))
+    w.model_runner = types.SimpleNamespace(max_running_requests=max_bs)
+    w.alloc_memory_pool()  # SGLang's buffers, then the chain mask
+    return w
+
+
+def build(w, case, grammar):
+    bs, reqs, seq_lens, pool_idx, req_to_token, drafts = case
+    w._propose = lambda b, anchors: drafts
+    for buf in (w.draft_tokens, w.positions, w.retrieve_indexes, w.retrieve_next_token,
+                w.retrieve_next_sibling):
+        buf.fill_(-99)  # poisoned: every value read must be written by this step
+    b = types.SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, reqs=reqs, seq_lens=seq_lens.clone(),
+        seq_lens_cpu=seq_lens.clone(), req_pool_indices=pool_idx.clone(),
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        has_grammar=grammar, spec_info=None, input_ids=None, out_cache_loc=None)
+    w._prepare_for_speculative_decoding(b)
+    assert b.forward_mode == ForwardMode.TARGET_VERIFY
+    s = b.spec_info
+    assert s.draft_token_num == w.draft_token_num
+    got = (b.input_ids, b.out_cache_loc, s.draft_token, s.custom_mask, s.positions,
+           s.retrieve_index, s.retrieve_next_token, s.retrieve_next_sibling)
+    return {k: t.clone() for k, t in zip(FIELDS, got)}
+
+
+rng = random.Random(int(sys.argv[1]))
+for _ in range(int(sys.argv[2])):
+    n, max_bs, width = rng.choice([2, 5, 8]), rng.randint(1, 12), 96
+    bs = rng.randint(1, max_bs)
+    seq_lens = torch.tensor([rng.randint(1, width - n - 1) for _ in range(bs)])
+    pool_idx = torch.tensor(rng.sample(range(2 * max_bs), bs))
+    req_to_token = torch.randperm(2 * max_bs * width).reshape(2 * max_bs, width)
+    reqs = [types.SimpleNamespace(output_ids=[rng.randrange(1000)] * rng.randint(0, 2),
+                                  origin_input_ids=[rng.randrange(1000)]) for _ in range(bs)]
+    drafts = torch.randint(0, 1000, (bs, n - 1))
+    case = (bs, reqs, seq_lens, pool_idx, req_to_token, drafts)
+    w = worker(n, max_bs)
+    dev, host = build(w, case, False), build(worker(n, max_bs), case, True)
+    for k in FIELDS:
+        assert torch.equal(dev[k], host[k]), (k, dev[k], host[k])
+    anchors = torch.tensor([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]
+                            for r in reqs])
+    cols = torch.arange(n)
+    assert torch.equal(dev["input_ids"].view(bs, n), torch.cat([anchors[:, None], drafts], 1))
+    assert torch.equal(dev["pos"].view(bs, n), seq_lens[:, None] + cols)
+    slots = req_to_token[pool_idx[:, None], seq_lens[:, None] + cols]
+    assert torch.equal(dev["loc"].view(bs, n), slots)
+    if n > 2:  # the device path reads the chain mask alloc_memory_pool wrote: without it, not
+        w.tree_mask.fill_(False)
+        assert not torch.equal(build(w, case, False)["rn"], host["rn"])
+print("verify inputs equal")
+"""
+
+
+def test_device_verify_input_equals_the_ngram_host_path():
+    env = cpu_mode.server_env(1)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, str(__import__("random").randrange(1 << 30)), "12"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verify inputs equal" in proc.stdout
