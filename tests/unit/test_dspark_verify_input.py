@@ -1,6 +1,10 @@
-"""The ATOM_DSPARK worker's verify input, built on the device, equals the one SGLang's n-gram
-path builds from the same draft tokens on the host (its path for a batch with a grammar):
-tokens, positions, cache slots, the chain mask and the retrieve indices, for random batches.
+"""The ATOM_DSPARK worker's decode step around the verify, on random batches:
+
+* its verify input, built on the device, equals the one SGLang's n-gram path builds from the
+  same draft tokens on the host (its path for a batch with a grammar): tokens, positions, cache
+  slots, the chain mask and the retrieve indices;
+* the draft context written after the verify (fixed shapes, no boolean selection) lands at the
+  slot of every committed row with that row's K/V, and nowhere else but SGLang's padding slot 0.
 
 The worker module imports SGLang's n-gram worker, which needs a CUDA driver: the check runs in
 a child process with the CPU-mode shim and sgl_atom's CPU speculative ops, as a CPU server
@@ -85,10 +89,53 @@ for _ in range(int(sys.argv[2])):
         w.tree_mask.fill_(False)
         assert not torch.equal(build(w, case, False)["rn"], host["rn"])
 print("verify inputs equal")
+
+
+class Pool:
+    def __init__(self, slots):
+        self.k = torch.full((slots, 4), -7.0)
+
+    def write(self, layer, loc, k, v):
+        assert layer == 0 and k.shape == v.shape == (loc.numel(), 4)
+        self.k[loc] = k
+
+
+def context_kv(taps, positions, max_position):
+    assert int(positions.max()) <= max_position
+    return [(taps[:, :4] + positions[:, None], taps[:, 4:] - positions[:, None])]
+
+
+for _ in range(int(sys.argv[2])):
+    n, bs, width = rng.choice([2, 5, 8]), rng.randint(1, 9), 64
+    slots = 2 * bs * width + 1
+    w = AtomDSparkWorker.__new__(AtomDSparkWorker)
+    w.device, w.draft_token_num, w.stale_context = "cpu", n, False
+    w.draft, w.pool = types.SimpleNamespace(context_kv=context_kv), Pool(slots)
+    seq_lens = torch.tensor([rng.randint(1, width - n) for _ in range(bs)])
+    pool_idx = torch.tensor(rng.sample(range(2 * bs), bs))
+    req_to_token = (torch.randperm(slots - 1) + 1)[: 2 * bs * width].reshape(2 * bs, width)
+    b = types.SimpleNamespace(
+        reqs=[None] * bs, seq_lens=seq_lens, seq_lens_cpu=seq_lens, req_pool_indices=pool_idx,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token))
+    accept_lens = torch.tensor([rng.randint(1, n) for _ in range(bs)], dtype=torch.int32)
+    cols = torch.arange(n)
+    chain = torch.arange(bs)[:, None] * n + cols
+    accept_index = torch.where(cols < accept_lens[:, None], chain, -1)
+    taps = torch.randn(bs * n, 8)
+    w._write_verify_context(b, taps, accept_index.to(torch.int32), accept_lens)
+    want = torch.full((slots, 4), -7.0)
+    for r in range(bs):
+        for i in range(int(accept_lens[r])):
+            pos = int(seq_lens[r]) + i
+            want[req_to_token[pool_idx[r], pos]] = taps[r * n + i, :4] + pos
+    touched = (w.pool.k != want).any(1).nonzero().flatten().tolist()
+    assert touched in ([], [0]), touched  # only the padding slot holds anything else
+    assert (want[0] == -7.0).all()
+print("context rows written")
 """
 
 
-def test_device_verify_input_equals_the_ngram_host_path():
+def test_device_verify_input_and_context_write_on_random_batches():
     env = cpu_mode.server_env(1)
     proc = subprocess.run(
         [sys.executable, "-c", CHECK, str(__import__("random").randrange(1 << 30)), "12"],
@@ -98,4 +145,4 @@ def test_device_verify_input_equals_the_ngram_host_path():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "verify inputs equal" in proc.stdout
+    assert "verify inputs equal" in proc.stdout and "context rows written" in proc.stdout

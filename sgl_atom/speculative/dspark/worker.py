@@ -242,18 +242,23 @@ class AtomDSparkWorker(NGRAMWorker):
     def _write_verify_context(
         self, batch: ScheduleBatch, taps: torch.Tensor, accept_index: torch.Tensor, accept_lens
     ) -> None:
+        """Draft context K/V of each request's committed rows (a chain's: the first
+        ``accept_lens`` of its verify window) at their slots. Every row of the window is
+        computed and the rows not committed go to slot 0, SGLang's padding slot, which no token
+        holds: fixed shapes, so nothing waits for the verify to know how many rows there are
+        (a boolean selection would)."""
         if self.stale_context:
             return
         n = self.draft_token_num
         cols = torch.arange(n, device=self.device)[None, :]
         keep = cols < accept_lens[:, None]
-        rows = accept_index[keep].long()
-        req = torch.arange(len(batch.reqs), device=self.device)[:, None].expand(-1, n)[keep]
-        positions = batch.seq_lens.long()[req] + cols.expand(len(batch.reqs), -1)[keep]
-        pool_idx = batch.req_pool_indices.long()[req]
-        slots = batch.req_to_token_pool.req_to_token[pool_idx, positions]
+        rows = accept_index.long().clamp(min=0).reshape(-1)  # -1: a row not committed
+        positions = batch.seq_lens.long()[:, None] + cols
+        req_to_token = batch.req_to_token_pool.req_to_token
+        slots = req_to_token[batch.req_pool_indices.long()[:, None], positions]
+        slots = torch.where(keep, slots, torch.zeros_like(slots)).reshape(-1)
         bound = self._max_seq_len(batch) + n - 1
-        self.write_context(taps[rows], positions, slots, bound)
+        self.write_context(taps[rows], positions.reshape(-1), slots, bound)
 
     # ---------------------------------------------------------------- propose
 
