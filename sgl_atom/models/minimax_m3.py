@@ -497,6 +497,13 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
         check_quantization(quant_config)
+        if quant_config is not None:
+            logger.info(
+                "sgl_atom MiniMax-M3: --quantization %s: attention, index and MLP projections "
+                "and the routed and shared experts in %s; router, embedding and LM head bf16",
+                quant_config.get_name(),
+                quant_config.get_name(),
+            )
         self.config = config
         self.sparse = SparseConfig.from_hf(config, config.num_key_value_heads, config.head_dim)
         if self.sparse is not None:
