@@ -162,7 +162,7 @@ class ManagedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=envs.SGL_ATOM_STOP_GRACE.get())
             return
-        self._note(f"not stopped {envs.SGL_ATOM_STOP_GRACE.get():.0f}s after SIGTERM", True)
+        self._note(f"not stopped {envs.SGL_ATOM_STOP_GRACE.get():.0f}s after SIGTERM")
         # SGLang's own: SIGKILL to every descendant, reaped before it returns; then the group,
         # for any process that left the tree
         from sglang.srt.utils import kill_process_tree
@@ -174,9 +174,9 @@ class ManagedProcess:
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self._note("not reaped 60s after SIGKILL; left to the kernel", False)
+            self._note("not reaped 60s after SIGKILL; left to the kernel")
 
-    def _note(self, what: str, with_states: bool) -> None:
+    def _note(self, what: str) -> None:
         """Append ``what`` (and each of the group's threads' states) to the log file."""
         lines = [f"[sgl_atom.testing] {self.name} pid {self.proc.pid}: {what}"]
         lines += process_group_states(self.proc.pid)
