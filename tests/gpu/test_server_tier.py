@@ -155,7 +155,7 @@ SPEC_ARGS = [
 ]  # fmt: skip
 SPEC_PROMPTS = word_prompts(8, seed=7, min_words=4, max_words=24)
 PD_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
-M3_SERVERS = ("m3-bf16", "m3-fp8", "m3-fp8w")  # bf16; fp8 KV and index keys; fp8 weights
+M3_SERVERS = ("m3-bf16", "m3-fp8")  # bf16; fp8 KV and index keys
 # which servers each feature test asks for (by test function, then parameter)
 FEATURE_NEEDS = {
     "test_dspark_lossless_on_gpu": lambda param: ("dspark-baseline", f"dspark-{param}"),
@@ -275,9 +275,9 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
 
 @pytest.fixture(scope="module")
 def m3_gpu(feature_servers) -> dict[str, dict]:
-    """The tiny ``m3`` checkpoint served by sgl_atom's M3 class at bf16, at fp8 KV (fp8 index
-    keys) and with fp8 weights (``--quantization fp8``), side by side: teacher-forced log-probs
-    of the CPU e2e's prompts, 24 greedy tokens through the captured decode graphs, the log."""
+    """The tiny ``m3`` checkpoint served by sgl_atom's M3 class at bf16 and fp8 KV (fp8 index
+    keys), side by side: teacher-forced log-probs of the CPU e2e's prompts, 24 greedy tokens
+    through the captured decode graphs, the server log."""
     from test_m3_serving import DECODE_TOKENS, FP8_TOKENS, PROMPT_TOKENS
     from transformers import AutoTokenizer
 
@@ -295,7 +295,7 @@ def m3_gpu(feature_servers) -> dict[str, dict]:
         finally:
             srv.stop()
 
-    runs = (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS]), ("m3-fp8w", prompt))
+    runs = (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS]))
     with ThreadPoolExecutor(len(runs)) as ex:
         futs = {n: ex.submit(answer, n, ids) for n, ids in runs}
         out: dict = {n: f.result() for n, f in futs.items()}
@@ -303,12 +303,13 @@ def m3_gpu(feature_servers) -> dict[str, dict]:
     return out
 
 
-def _m3_err(m3_gpu, name: str):
+def _m3_err(m3_gpu, name: str, run: dict | None = None):
+    """|log-prob - float64 reference| per position of ``m3_gpu[name]`` (or of ``run``)."""
     import torch
 
     from m3_reference import M3Reference
 
-    run = m3_gpu[name]
+    run = run or m3_gpu[name]
     ref = M3Reference.load(m3_gpu["model"]).logprobs(torch.tensor(run["prompt"]))
     return (torch.tensor(run["logprobs"], dtype=torch.float64) - ref).abs()
 
@@ -378,22 +379,38 @@ def test_m3_tiny_fp8_kv_and_index_keys(m3_gpu, report):
     assert not unexplained and len(far) <= ROUTE_TIE_SHARE * len(vs_bf16), far
 
 
-def test_m3_tiny_fp8_weights(m3_gpu, report):
+@pytest.fixture(scope="module")
+def m3_fp8_weights(gpu_servers, m3_gpu) -> dict:
+    """The tiny ``m3`` with ``--quantization fp8``, started on its own once the other M3
+    servers are done (it has not served on a GPU before: a failed start fails its test only),
+    answering the bf16 server's prompt."""
+    from test_m3_serving import DECODE_TOKENS
+
+    model, args, env = _feature_jobs(0)["m3-fp8w"]
+    srv = gpu_servers.start(model, args, timeout=600, env=env, name="m3-fp8w")
+    try:
+        prompt = m3_gpu["m3-bf16"]["prompt"]
+        logprobs = teacher_forced_logprobs(srv, [prompt])[0]
+        greedy_from_ids(srv, [prompt], DECODE_TOKENS)
+        return {"logprobs": logprobs, "prompt": prompt, "log": srv.log_text()}
+    finally:
+        srv.stop()
+
+
+def test_m3_tiny_fp8_weights(m3_gpu, m3_fp8_weights, report):
     """``--quantization fp8`` (the tiny bf16 checkpoint's projections and experts quantised as
     they load): serves through the decode graphs with the sparse path, and stays near the
     float64 reference of the bf16 weights. The error bound is the first guess of a new path
     (per-tensor e4m3 weights: a few percent per weight), loose on purpose, and the figures are
     reported: replace it with the measured ones."""
-    err = _m3_err(m3_gpu, "m3-fp8w")
-    vs_bf16 = (
-        torch_tensor(m3_gpu["m3-fp8w"]["logprobs"]) - torch_tensor(m3_gpu["m3-bf16"]["logprobs"])
-    ).abs()
+    run = m3_fp8_weights
+    err = _m3_err(m3_gpu, "m3-fp8w", run)
+    vs_bf16 = (torch_tensor(run["logprobs"]) - torch_tensor(m3_gpu["m3-bf16"]["logprobs"])).abs()
     report(
         f"GPU m3 fp8 weights vs float64 reference (bf16 weights): max |dlogp| {err.max():.4f}, "
         f"mean {err.mean():.4f}; vs the bf16 server: max {vs_bf16.max():.4f}, mean "
         f"{vs_bf16.mean():.4f}"
     )
-    log = m3_gpu["m3-fp8w"]["log"]
-    _m3_served_sparse(log)
-    assert "sgl_atom MiniMax-M3: --quantization fp8" in log
+    _m3_served_sparse(run["log"])
+    assert "sgl_atom MiniMax-M3: --quantization fp8" in run["log"]
     assert err.isfinite().all() and err.mean() <= 0.2
