@@ -27,7 +27,11 @@ draft of real shape under `--atom-dspark-forced-accept N` (rows with "spec": "ds
 plain decode step of the same run). `--serial-plain` adds the plain decode without overlap
 scheduling (rows with "spec": "none-serial"; DSpark rows then carry "step_ratio_serial", the step
 over that one), since ATOM_DSPARK runs without overlap and the plain server with it. Their table
-is the second one in server.md. `--cpu-smoke`
+is the second one in server.md. `--spec --spec-chain` measures real acceptance instead: the
+word-chain llama target and its distilled draft (trained weights, prompts of words), plain and
+then ATOM_DSPARK per `--draft-kv`, at `--chain-batches` (1 and 32): decode tokens/s, accept
+length, the speedup over plain and how many greedy outputs equal plain's (rows with "spec":
+"chain-none" / "chain-dspark"). `--cpu-smoke`
 runs that suite on CPU (SGLang's CPU engine through sgl_atom.launch_server, kernels' torch
 references) on a tiny shape: it checks the code path, its figures mean nothing.
 
@@ -222,6 +226,11 @@ def random_prompts(batch: int, prompt: int, vocab: int, seed: int) -> list[list[
 
 
 def generate(srv: Server, ids: list[list[int]], new: int) -> float:
+    return generate_ids(srv, ids, new)[0]
+
+
+def generate_ids(srv: Server, ids: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    """(seconds, greedy output ids of each prompt), exactly ``new`` tokens each."""
     params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
     t0 = time.perf_counter()
     outs = srv.post("/generate", {"input_ids": ids, "sampling_params": params}, timeout=1800)
@@ -230,7 +239,7 @@ def generate(srv: Server, ids: list[list[int]], new: int) -> float:
     got = [len(o["output_ids"]) for o in outs]
     if got != [new] * len(ids):
         raise RuntimeError(f"server returned {got} tokens, asked {new} for each of {len(ids)}")
-    return dt
+    return dt, [o["output_ids"] for o in outs]
 
 
 def log_decode_rate(log: str, batch: int) -> tuple[float, int]:
@@ -371,16 +380,22 @@ def run_spec_workload(
 
 
 def server_args(
-    backend_args, workloads, output, cpu=False, log_interval=0, mem_fraction="0.85", capped=False
+    backend_args,
+    workloads,
+    output,
+    cpu=False,
+    log_interval=0,
+    mem_fraction="0.85",
+    capped=False,
+    dummy=True,
 ) -> list[str]:
     """``capped``: the KV pool holds the workloads' largest batch and no more, so servers sharing
     the card can start side by side (SGLang sizes an uncapped pool from the memory free when it
-    starts)."""
+    starts). ``dummy``: random weights (``--load-format dummy``), else the checkpoint's."""
     max_bs = max(b for b, _ in workloads)
     ctx = max(p for _, p in workloads) + output + 64
     args = [
-        "--load-format",
-        "dummy",
+        *(["--load-format", "dummy"] if dummy else []),
         "--skip-tokenizer-init",
         "--dtype",
         "bfloat16",
@@ -486,6 +501,62 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
             for p, q in zip(plain, serials, strict=True):
                 rows.append(run_spec_workload(srv, p, k, n, kv, q))
                 _print(rows[-1], name.partition("_")[2])
+        save(rows)
+    return rows
+
+
+def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
+    """ATOM_DSPARK with real acceptance (``server_dspark`` chain rows): the word-chain llama
+    target and its distilled draft (trained weights, word prompts), served plain and then with
+    the draft at each ``--draft-kv``; per batch, decode tokens/s, accept length, the speedup
+    over plain and whether the greedy outputs equal plain's."""
+    from sgl_atom.testing import DSPARK_CHAIN
+
+    target = dspark.chain_target()
+    batches = [int(b) for b in args.chain_batches.split(",")]
+    prompt, output = dspark.CHAIN_PROMPT, args.output
+    loads = [(b, prompt) for b in batches]
+    env = {**(CPU_ENV if args.cpu_smoke else {}), **dspark.SPEC_ENV}
+    base = [*BACKENDS["atom-bf16"][2], "--max-running-requests", str(max(batches))]
+    servers = {"none": []}
+    for kv in args.draft_kv.split(","):
+        servers[kv] = dspark.spec_server_args(DSPARK_CHAIN, kv, None)
+    plain: dict[int, Row] = {}
+    outputs: dict[int, list] = {}
+    rows: list[Row] = []
+    for kind, spec in servers.items():
+        srv_args = server_args([*base, *spec], loads, output, args.cpu_smoke, 1, dummy=False)
+        label = f"llama-chain_{'plain' if kind == 'none' else 'dspark-' + kind}"
+        with started(target, srv_args, label, env, args.logs, 16) as srv:
+            for batch in batches:
+                ids = dspark.chain_prompts(target, batch, prompt, seed=batch)
+                ttft = generate(srv, ids, 1)
+                mark = len(srv.log_text())
+                total, outs = generate_ids(srv, ids, output)
+                client = batch * (output - 1) / (total - ttft) if total > ttft else 0.0
+                rate, accept, n = dspark.spec_log_rate(srv.log_text()[mark:], batch)
+                extra = {"spec": "chain-none" if kind == "none" else "chain-dspark"}
+                if kind == "none":
+                    outputs[batch] = outs
+                else:
+                    same = sum(a == b for a, b in zip(outs, outputs[batch], strict=True))
+                    extra |= dict(draft_kv=kind, accept_len=round(accept, 2), same=same)
+                    base = plain[batch].decode_tok_s
+                    extra["vs_plain"] = round((rate or client) / base, 2) if base else 0.0
+                row = Row("llama-chain", "atom", "bf16", batch, prompt, output,
+                          decode_tok_s=round(rate or client, 1), ttft_s=round(ttft, 3),
+                          byte_limit_tok_s=0.0, run=run_id, decode_tok_s_client=round(client, 1),
+                          log_samples=n, extra=extra)  # fmt: skip
+                if kind == "none":
+                    plain[batch] = row
+                rows.append(row)
+                print(
+                    f"[bench_server] llama-chain {label} {batch}x{prompt}: {row.decode_tok_s} "
+                    f"tok/s (client {row.decode_tok_s_client}), accept {extra.get('accept_len', 1)}"
+                    f", vs plain {extra.get('vs_plain', '-')}, greedy equal to plain "
+                    f"{extra.get('same', batch)}/{batch}",
+                    flush=True,
+                )
         save(rows)
     return rows
 
@@ -767,6 +838,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--logs", default="", help="folder for each server's full log")
     ap.add_argument(
+        "--spec-chain",
+        action="store_true",
+        help="ATOM_DSPARK with real acceptance: the word-chain target and its trained draft "
+        "(server_dspark chain rows), plain then each --draft-kv",
+    )
+    ap.add_argument(
+        "--chain-batches", default="1,32", help="--spec-chain: batch sizes (prompts of words)"
+    )
+    ap.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -780,6 +860,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.models, args.output = args.models or "llama3-8b", 128
     if args.cpu_smoke:
         args.spec, args.models, args.output = not (args.m3 or args.pd), "tiny", 8
+        args.chain_batches = "1,2" if args.spec_chain else args.chain_batches
         args.workloads = args.workloads or ("2x1536" if args.m3 else "1x256" if args.pd else "2x64")
         args.m3_layers = 4 if args.m3 else args.m3_layers
         if Path(args.out).resolve() == (HERE / "results").resolve():
@@ -810,6 +891,8 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
             return bench_m3(args, run_id, root, save)
         if args.pd:
             return bench_pd(args, run_id, root, save)
+        if args.spec_chain:
+            return bench_chain(args, run_id, save)
         for model in args.models.split(","):
             if args.spec:
                 kvs = args.draft_kv.split(",")
@@ -845,6 +928,10 @@ def write_results(out: Path, header: dict, rows: list[Row]) -> str:
         md += "\n\n" if md else ""
         md += "ATOM_DSPARK under forced acceptance, beside the plain atom bf16 decode:\n\n"
         md += dspark.spec_table(data["rows"])
+    if any(str(r.get("spec", "")).startswith("chain-") for r in data["rows"]):
+        md += "\n\n" if md else ""
+        md += "ATOM_DSPARK with real acceptance (word-chain target, trained draft):\n\n"
+        md += dspark.chain_table(data["rows"])
     if any(r.get("pd") for r in data["rows"]):
         md += "\n\n" if md else ""
         md += "P/D pair on one GPU (atom transfer backend) beside a unified server:\n\n"

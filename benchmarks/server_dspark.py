@@ -110,24 +110,97 @@ def write_drafts(model: str, shape: dict, blocks: list[int], root: Path, max_pos
     return paths
 
 
-def spec_server_args(draft: Path, draft_kv: str, forced: int) -> list[str]:
+def spec_server_args(draft: Path, draft_kv: str, forced: int | None) -> list[str]:
     """ATOM_DSPARK with ``draft``, its KV pool at ``draft_kv`` (bf16 / fp8, given to SGLang's
-    own flag in its spelling: bf16 / fp8_e4m3), ``forced`` drafts committed per verify."""
+    own flag in its spelling: bf16 / fp8_e4m3), ``forced`` drafts committed per verify (None:
+    the drafts the target accepts)."""
     from sgl_atom.speculative.draft_kv_dtype import to_sglang_dtype
 
-    return [
+    args = [
         "--speculative-algorithm",
         "ATOM_DSPARK",
         "--speculative-draft-model-path",
         str(draft),
         "--speculative-draft-kv-cache-dtype",
         to_sglang_dtype(draft_kv),
-        "--atom-dspark-forced-accept",
-        str(forced),
     ]
+    return args if forced is None else [*args, "--atom-dspark-forced-accept", str(forced)]
 
 
 SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
+
+# --spec-chain: the word-chain llama target (sgl_atom.testing.tiny "llama-chain") and the draft
+# distilled against it (sgl_atom/testing/assets/dspark-llama-chain), real acceptance
+CHAIN_PROMPT = 64  # tokens of words per prompt
+CHAIN_TARGETS = {1: 2.5, 32: 1.8}  # issue 14: tokens/s over plain at batch 1 and 32
+
+
+def chain_target() -> Path:
+    """The word-chain target checkpoint (built into the cache on first use)."""
+    from sgl_atom.cpu_mode import cache_dir
+    from sgl_atom.testing import tiny
+
+    return tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
+
+
+def chain_prompts(target: Path, batch: int, tokens: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts of ``tokens`` token ids each: random words of the tiny vocabulary,
+    tokenized by the target's tokenizer."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from sgl_atom.testing.tiny import _WORDS
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    rng = random.Random(seed)
+    out = []
+    for _ in range(batch):
+        ids: list[int] = []
+        while len(ids) < tokens:
+            ids = tok(" ".join(rng.choice(_WORDS) for _ in range(2 * tokens)))["input_ids"]
+        out.append(ids[:tokens])
+    return out
+
+
+def chain_table(rows: list[dict]) -> str:
+    """The chain rows: plain, then DSpark per draft KV dtype, per batch, one run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import format_table
+
+    mine = [r for r in rows if r.get("spec") in ("chain-none", "chain-dspark")]
+    mine.sort(key=lambda r: (r["batch"], r["run"], r["spec"], r.get("draft_kv") or ""))
+    out = []
+    for r in mine:
+        spec = r["spec"] == "chain-dspark"
+        target = CHAIN_TARGETS.get(r["batch"])
+        out.append(
+            [
+                f"{r['batch']}x{r['prompt']}",
+                f"ATOM_DSPARK, {r['draft_kv']} pool" if spec else "plain",
+                r.get("accept_len", "-") if spec else 1,
+                round(r["decode_tok_s"]),
+                round(r["decode_tok_s_client"]),
+                r.get("vs_plain", "-") if spec else "-",
+                f">= {target}" if spec and target else "-",
+                f"{r['same']}/{r['batch']}" if spec else "-",
+                r["run"],
+            ]
+        )
+    return format_table(
+        [
+            "batch x prompt",
+            "serving",
+            "accept len",
+            "decode tok/s",
+            "client tok/s",
+            "vs plain",
+            "target",
+            "greedy equal to plain",
+            "run",
+        ],
+        out,
+    )
 
 
 def spec_log_rate(log: str, batch: int) -> tuple[float, float, int]:

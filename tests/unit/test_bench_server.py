@@ -214,3 +214,33 @@ def test_profile_analysis_splits_the_span_into_kernels_busy_and_idle_gaps(tmp_pa
     assert f"{a['wall_ms_per_step']:.3f} ms per step" in md and "`host_work_0`" in md
     cpu_only = [e for e in events if e.get("cat") != "kernel" and e.get("cat") != "gpu_memcpy"]
     assert prof.analyze(cpu_only)["steps"] == 0
+
+
+def test_chain_rows_table_and_prompts(tmp_path):
+    import server_dspark as dspark
+
+    from sgl_atom.testing import tiny
+
+    target = tiny.build(tmp_path / "llama-chain", "llama-chain", log=lambda _: None)
+    a = dspark.chain_prompts(target, 3, 40, seed=5)
+    assert [len(p) for p in a] == [40, 40, 40] and len({tuple(p) for p in a}) == 3
+    assert dspark.chain_prompts(target, 3, 40, seed=5) == a  # deterministic per seed
+    assert dspark.chain_prompts(target, 3, 40, seed=6) != a
+
+    def row(spec, batch, tok_s, **extra):
+        return dict(
+            model="llama-chain", kv="bf16", run="r1", spec=spec, batch=batch, prompt=64,
+            decode_tok_s=tok_s, decode_tok_s_client=tok_s * 0.9, ttft_s=0.1, **extra,
+        )  # fmt: skip
+
+    rows = [
+        row("chain-none", 1, 100.0),
+        row("chain-dspark", 1, 260.0, draft_kv="fp8", accept_len=5.1, vs_plain=2.6, same=1),
+        row("chain-dspark", 32, 1500.0, draft_kv="bf16", accept_len=4.7, vs_plain=1.71, same=31),
+        row("none", 1, 5.0),  # a forced-acceptance row: not this table's
+    ]
+    table = dspark.chain_table(rows)
+    lines = [ln for ln in table.splitlines() if ln.startswith("| 1") or ln.startswith("| 32")]
+    assert len(lines) == 3
+    assert "ATOM_DSPARK, fp8 pool" in table and ">= 2.5" in table and ">= 1.8" in table
+    assert "31/32" in table and "2.6" in table and "| 5 " not in table
