@@ -155,6 +155,7 @@ SPEC_ARGS = [
 ]  # fmt: skip
 SPEC_PROMPTS = word_prompts(8, seed=7, min_words=4, max_words=24)
 PD_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
+SOAK_REQUESTS, SOAK_CONCURRENCY = 200, 32
 M3_SERVERS = ("m3-bf16", "m3-fp8")  # bf16; fp8 KV and index keys
 # which servers each feature test asks for (by test function, then parameter)
 FEATURE_NEEDS = {
@@ -254,23 +255,38 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
 
     prefill, decode = feature_servers["pd-prefill"], feature_servers["pd-decode"]
     bp, want = feature_servers["bootstrap_port"], chain_baseline
+
+    def one(i: int):
+        prompt = SPEC_PROMPTS[i % len(SPEC_PROMPTS)]
+        return _direct_pd(prefill, bp, decode, prompt, 9000 + i).join()["d"]
+
     try:
         t0 = time.time()
-        pending = [_direct_pd(prefill, bp, decode, p, 9000 + i) for i, p in enumerate(SPEC_PROMPTS)]
-        got = [r.join()["d"] for r in pending]
+        got = [one(i) for i in range(len(SPEC_PROMPTS))]
         seconds = time.time() - t0
+        # then SOAK_REQUESTS at SOAK_CONCURRENCY, as issue 16's soak asks of the router's pair
+        t0 = time.time()
+        with ThreadPoolExecutor(SOAK_CONCURRENCY) as ex:
+            soak = list(ex.map(one, range(len(SPEC_PROMPTS), len(SPEC_PROMPTS) + SOAK_REQUESTS)))
+        soak_s = time.time() - t0
         logs = prefill.log_text(), decode.log_text()
+        healthy = prefill._healthy() and decode._healthy()
     finally:
         prefill.stop()
         decode.stop()
-    errors = [g for g in got if not isinstance(g, dict)]
-    assert not errors, errors[0]
+    errors = [g for g in got + soak if not isinstance(g, dict)]
+    assert not errors, f"{len(errors)} failed, first: {errors[0]}"
     ids = [g["output_ids"] for g in got]
     same = sum(a == b[:MAX_NEW] for a, b in zip(ids, want, strict=True))
+    soak_same = sum(
+        g["output_ids"] == want[(len(SPEC_PROMPTS) + i) % len(SPEC_PROMPTS)][:MAX_NEW]
+        for i, g in enumerate(soak)
+    )
     report(f"GPU P/D atom TP1->TP1 on one H200: {same}/{len(want)} greedy outputs equal unified "
-           f"in {seconds:.1f}s")  # fmt: skip
+           f"in {seconds:.1f}s; soak {SOAK_REQUESTS} requests at concurrency {SOAK_CONCURRENCY}: "
+           f"{soak_same} equal unified, 0 errors, in {soak_s:.1f}s")  # fmt: skip
     assert "regions (layers 0..3)" in logs[0], logs[0][-3000:]
-    assert same == len(want)
+    assert same == len(want) and soak_same == SOAK_REQUESTS and healthy
 
 
 @pytest.fixture(scope="module")
