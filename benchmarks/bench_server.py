@@ -541,8 +541,8 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
                 else:
                     same = sum(a == b for a, b in zip(outs, outputs[batch], strict=True))
                     extra |= dict(draft_kv=kind, accept_len=round(accept, 2), same=same)
-                    base = plain[batch].decode_tok_s
-                    extra["vs_plain"] = round((rate or client) / base, 2) if base else 0.0
+                    plain_rate = plain[batch].decode_tok_s
+                    extra["vs_plain"] = round((rate or client) / plain_rate, 2) if plain_rate else 0
                 row = Row("llama-chain", "atom", "bf16", batch, prompt, output,
                           decode_tok_s=round(rate or client, 1), ttft_s=round(ttft, 3),
                           byte_limit_tok_s=0.0, run=run_id, decode_tok_s_client=round(client, 1),
