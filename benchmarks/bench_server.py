@@ -279,17 +279,23 @@ def timed_decode(
     ids = random_prompts(batch, prompt, vocab, seed=batch * 100003 + prompt)
     if warm:
         generate(srv, ids, 9)
-    ttft = generate(srv, ids, 1)
-    mark = len(srv.log_text())
-    total = generate(srv, ids, output)
-    client = batch * (output - 1) / (total - ttft) if total > ttft else 0.0  # 0: not measurable
-    log = srv.log_text()[mark:]
+    ttft, log, client, _ = decode_ids(srv, ids, output)
     if PROFILE.steps:
         # enough tokens for steps + 1 decode steps (the profiler stops at the one after the
         # last), even when a speculative step commits up to 8 tokens
         new = max(output, 8 * (PROFILE.steps + 2))
         profile_step(srv, ids, new, f"{srv.name}-{batch}x{prompt}", graphs_per_step)
     return ttft, log, client
+
+
+def decode_ids(srv: Server, ids: list[list[int]], output: int):
+    """(TTFT s, the server log written while ``output`` tokens decoded, client tokens/s, the
+    greedy output ids) of one batch: a 1-token run for the TTFT, then the timed one."""
+    ttft = generate(srv, ids, 1)
+    mark = len(srv.log_text())
+    total, outs = generate_ids(srv, ids, output)
+    client = len(ids) * (output - 1) / (total - ttft) if total > ttft else 0.0  # 0: unmeasurable
+    return ttft, srv.log_text()[mark:], client, outs
 
 
 def profile_step(srv: Server, ids, output: int, label: str, graphs_per_step: int) -> None:
@@ -530,11 +536,8 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
         with started(target, srv_args, label, env, args.logs, 16) as srv:
             for batch in batches:
                 ids = dspark.chain_prompts(target, batch, prompt, seed=batch)
-                ttft = generate(srv, ids, 1)
-                mark = len(srv.log_text())
-                total, outs = generate_ids(srv, ids, output)
-                client = batch * (output - 1) / (total - ttft) if total > ttft else 0.0
-                rate, accept, n = dspark.spec_log_rate(srv.log_text()[mark:], batch)
+                ttft, log, client, outs = decode_ids(srv, ids, output)
+                rate, accept, n = dspark.spec_log_rate(log, batch)
                 extra = {"spec": "chain-none" if kind == "none" else "chain-dspark"}
                 if kind == "none":
                     outputs[batch] = outs
