@@ -603,6 +603,23 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
                 aux.capture(own[i] if i in own else carried[i], owned=True)
         return aux
 
+    def _scales_made_at_load(self, names: set[str]) -> set[str]:
+        """Of ``names``, the scale parameters that ``--quantization fp8`` over a bf16 checkpoint
+        fills itself once the weights are in (SGLang's fp8 MoE method creates its expert scales
+        as parameters either way; a bf16 checkpoint has none to give)."""
+        modules = dict(self.named_modules())
+        made = set()
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            method = getattr(modules.get(owner), "quant_method", None)
+            config = getattr(method, "quant_config", None)
+            if (
+                leaf.endswith("_scale")
+                and getattr(config, "is_checkpoint_fp8_serialized", True) is False
+            ):
+                made.add(name)
+        return made
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the checkpoint under its own names (``block_sparse_moe`` is ``mlp`` here)."""
         params = dict(self.named_parameters())
@@ -630,7 +647,7 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
             else:
                 loader(param, tensor, shard)
             loaded.add(target)
-        missing = set(params) - loaded
+        missing = set(params) - loaded - self._scales_made_at_load(set(params) - loaded)
         if missing:
             raise KeyError(f"parameters not in the checkpoint: {sorted(missing)[:8]}")
         if dense_index:

@@ -191,21 +191,73 @@ def test_fp8_reaches_the_experts_and_the_shared_expert_not_the_router(context):
     assert moe.gate.weight.dtype == torch.bfloat16
 
 
-def test_an_fp8_checkpoint_loads_every_expert_weight_and_scale_into_its_slot(context):
-    """load_weights of the model class, on a stack holding one fp8 MoE layer: each expert's
-    w1/w3/w2 bytes and per-tensor scales land in FusedMoE's w13/w2 slots (w1 first), the
-    shared expert's in its merged projection, and nothing is left unloaded."""
+def _stack(moe):
+    """The model class around one MoE layer (layer 1 of two), for its load_weights."""
     from torch import nn
 
     from sgl_atom.models.minimax_m3 import MiniMaxM3SparseForCausalLM
 
-    moe = _fp8_moe(context)
     lm = MiniMaxM3SparseForCausalLM.__new__(MiniMaxM3SparseForCausalLM)
     nn.Module.__init__(lm)
     lm.model = nn.Module()
     lm.model.layers = nn.ModuleList([nn.Module(), nn.Module()])
     lm.model.layers[1].mlp = moe
     lm.model.start_layer, lm.model.end_layer = 0, 2
+    return lm
+
+
+def _bf16_checkpoint(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Layer 1's MoE weights as a bf16 checkpoint names them (no scales)."""
+    p = "model.layers.1.block_sparse_moe."
+    ckpt = {p + "gate.weight": torch.randn(EXPERTS, HIDDEN, generator=gen).bfloat16()}
+    ckpt[p + "e_score_correction_bias"] = torch.randn(EXPERTS, generator=gen)
+    for e in range(EXPERTS):
+        for w, shape in (("w1", (INTER, HIDDEN)), ("w3", (INTER, HIDDEN)), ("w2", (HIDDEN, INTER))):
+            ckpt[f"{p}experts.{e}.{w}.weight"] = torch.randn(*shape, generator=gen).bfloat16()
+    for w, shape in (
+        ("gate_proj", (INTER, HIDDEN)),
+        ("up_proj", (INTER, HIDDEN)),
+        ("down_proj", (HIDDEN, INTER)),
+    ):
+        ckpt[f"{p}shared_experts.{w}.weight"] = torch.randn(*shape, generator=gen).bfloat16()
+    return ckpt
+
+
+def test_fp8_over_a_bf16_checkpoint_loads_without_the_scales_it_makes_itself(context):
+    """--quantization fp8 over a bf16 checkpoint (quantised at load): the expert scales FusedMoE
+    creates as parameters are not asked of the checkpoint, every weight lands, and a weight the
+    checkpoint lacks is still refused by name; an fp8 checkpoint must bring its scales."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    gen = torch.Generator().manual_seed(11)
+    online = Fp8Config(is_checkpoint_fp8_serialized=False, activation_scheme="dynamic")
+    moe = _build(context, online)
+    lm = _stack(moe)
+    ckpt = _bf16_checkpoint(gen)
+    with _active(context):
+        loaded = lm.load_weights(ckpt.items())
+    scales = {n for n, _ in lm.named_parameters() if n.endswith("_scale")}
+    assert scales >= {"model.layers.1.mlp.experts.w13_weight_scale"}
+    assert loaded == {n for n, _ in lm.named_parameters()} - scales
+    w1 = ckpt["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    assert torch.equal(moe.experts.w13_weight[2, :INTER], w1)
+
+    gone = "model.layers.1.block_sparse_moe.shared_experts.down_proj.weight"
+    with _active(context), pytest.raises(KeyError, match="shared_experts.down_proj.weight"):
+        _stack(_build(context, online)).load_weights((n, t) for n, t in ckpt.items() if n != gone)
+    with _active(context), pytest.raises(KeyError, match="w13_weight_scale"):
+        _stack(_fp8_moe(context)).load_weights(
+            (n, t.to(torch.float8_e4m3fn) if t.dtype == torch.bfloat16 else t)
+            for n, t in ckpt.items()
+        )
+
+
+def test_an_fp8_checkpoint_loads_every_expert_weight_and_scale_into_its_slot(context):
+    """load_weights of the model class, on a stack holding one fp8 MoE layer: each expert's
+    w1/w3/w2 bytes and per-tensor scales land in FusedMoE's w13/w2 slots (w1 first), the
+    shared expert's in its merged projection, and nothing is left unloaded."""
+    moe = _fp8_moe(context)
+    lm = _stack(moe)
     gen = torch.Generator().manual_seed(7)
 
     def fp8(*shape):
