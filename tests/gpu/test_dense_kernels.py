@@ -211,3 +211,28 @@ def test_decode_tunings(kv, tiling, report):
     err = rel_err(out, ref)
     tiling = f"bn{block_n} w{warps} s{stages} r{maxnreg} {kv_mode}"
     report(f"GPU decode {kv} {tiling}: rel err {err:.1e}")
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_markov_refine_on_device_matches_float64(batch):
+    """The DSpark Markov head at Llama-3's vocab and rank 256 with bf16 weights: the float32
+    bias GEMM on the device (no float32 copy of the head) gives float64's logits to float32
+    rounding, and float64's tokens wherever its top-2 gap is clear of that rounding."""
+    from sgl_atom.speculative.dspark.markov import markov_refine, markov_step_logits
+
+    vocab, rank, k = 128256, 256, 4
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    base = torch.randn(batch, k, vocab, device=DEV, generator=g).bfloat16()
+    w1, w2 = (torch.randn(vocab, rank, device=DEV, generator=g).bfloat16() * 0.1 for _ in "12")
+    anchor = torch.randint(0, vocab, (batch,), device=DEV, generator=g)
+    tokens, logits = markov_refine(base, anchor, w1, w2, return_logits=True)
+    prev = anchor.long()
+    for j in range(k):
+        want = base[:, j].double() + w1[prev].double() @ w2.double().T
+        assert rel_err(logits[:, j].double(), want) < 1e-5
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-4
+        assert torch.equal(tokens[clear, j], want.argmax(-1)[clear])
+        prev = tokens[:, j]
+    one = markov_step_logits(base[:, 0], anchor, w1, w2)
+    assert one.dtype == torch.float32 and torch.equal(one, logits[:, 0])

@@ -24,8 +24,26 @@ def markov_step_logits(
     base_logits: [batch, vocab] any float dtype; prev_tokens: [batch] int;
     w1, w2: [vocab, rank]. Returns float32 [batch, vocab].
     """
-    bias = w1[prev_tokens.long()].float() @ w2.float().T
-    return base_logits.float() + bias
+    rows = w1[prev_tokens.long()]
+    if _tensor_core_bias(rows, w2):
+        # bf16/fp16 products are exact in float32: one GEMM that accumulates and writes float32
+        # reads w2 as stored, where `w2.float()` would write a float32 copy of the whole
+        # [vocab, rank] head at every block position (131 MB for Llama-3's vocab at rank 256)
+        bias = torch.mm(rows, w2.T, out_dtype=torch.float32)
+    else:
+        bias = rows.float() @ w2.float().T
+    return bias.add_(base_logits)
+
+
+def _tensor_core_bias(rows: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the bias GEMM can run in the weights' own half precision with float32 output
+    (CUDA, matching bf16/fp16 dtypes, a torch with ``mm``'s ``out_dtype``)."""
+    return (
+        rows.is_cuda
+        and rows.dtype in (torch.bfloat16, torch.float16)
+        and w2.dtype == rows.dtype
+        and hasattr(torch.ops.aten.mm, "dtype")
+    )
 
 
 def markov_refine(
