@@ -18,6 +18,8 @@ from . import envs
 
 SHIM_SOURCE = Path(__file__).parent / "csrc" / "cuda_shim.c"
 SHIM_NAME = "libcuda.so.1"
+# a sitecustomize every CPU-server process runs first (it keeps GPU-only imports out)
+SITE_DIR = Path(__file__).parent / "cpu_site"
 
 
 class CpuModeError(RuntimeError):
@@ -147,12 +149,15 @@ def core_lists(num_ranks: int, cores: int | None = None) -> str:
 
 
 def server_env(num_ranks: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a CPU-mode SGLang server needs (shim on the library path, CPU engine)."""
+    """The environment a CPU-mode SGLang server needs (shim on the library path, CPU engine,
+    :data:`SITE_DIR` first on ``PYTHONPATH``)."""
     env = dict(os.environ if base is None else base)
     shim_dir = str(build_shim())
     paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and p != shim_dir]
     env["LD_LIBRARY_PATH"] = ":".join([shim_dir, *paths])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    site = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *site])
     env["SGLANG_CPU_OMP_THREADS_BIND"] = core_lists(num_ranks)
     # A P/D prefill's early send of a radix-cached prefix records a CUDA event (overlap schedule)
     env.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0")

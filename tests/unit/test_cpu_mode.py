@@ -84,6 +84,34 @@ def test_server_command_in_cpu_mode(monkeypatch, tmp_path):
     assert env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path / "cuda_shim")
 
 
+def test_server_processes_start_without_gpu_only_imports(monkeypatch, tmp_path):
+    """A CPU server's processes run sgl_atom's sitecustomize first: ``cutlass`` (the CuTe DSL)
+    reads as absent, flashinfer still imports and reports it unavailable, and a sitecustomize
+    already on the caller's PYTHONPATH still runs."""
+    mine = tmp_path / "site"
+    mine.mkdir()
+    (mine / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITE_RAN'] = '1'\n")
+    monkeypatch.setenv("SGL_ATOM_CPU_MODE", "on")
+    monkeypatch.setenv("SGL_ATOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(mine))
+    _, env = launch_server.server_command(["--model-path", "m"])
+    assert env["PYTHONPATH"].split(":")[:2] == [str(cpu_mode.SITE_DIR), str(mine)]
+    probe = (
+        "import os, sys, importlib.util\n"
+        "assert sys.modules['cutlass'] is None\n"
+        "assert os.environ.get('SHADOWED_SITE_RAN') == '1'\n"
+        "if importlib.util.find_spec('flashinfer') is not None:\n"
+        "    from flashinfer.cute_dsl import is_cute_dsl_available\n"
+        "    assert not is_cute_dsl_available()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # a server started from a server's env
+    _, again = launch_server.server_command(["--model-path", "m"])
+    assert again["PYTHONPATH"] == env["PYTHONPATH"]
+
+
 def test_server_command_with_a_gpu_changes_nothing(monkeypatch):
     monkeypatch.setenv("SGL_ATOM_CPU_MODE", "off")
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
