@@ -935,6 +935,8 @@ def write_results(out: Path, header: dict, rows: list[Row]) -> str:
         md += "\n\n" if md else ""
         md += "ATOM_DSPARK with real acceptance (word-chain target, trained draft):\n\n"
         md += dspark.chain_table(data["rows"])
+    if any(r.get("spec") in ("dspark", "chain-dspark") for r in data["rows"]):
+        _plot(dspark.plot, data["rows"], out / "server_spec.png")
     if any(r.get("pd") for r in data["rows"]):
         md += "\n\n" if md else ""
         md += "P/D pair on one GPU (atom transfer backend) beside a unified server:\n\n"

@@ -270,3 +270,54 @@ def spec_table(rows: list[dict]) -> str:
         ],
         out,
     )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Left: one draft+verify step over a plain step (with and without overlap scheduling) per
+    forced-acceptance workload, against the target. Right: chain tokens/s over plain per batch
+    and draft KV dtype, against the targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    forced = [r for r in rows if r.get("spec") == "dspark" and "step_ratio" in r]
+    chain = [r for r in rows if r.get("spec") == "chain-dspark" and "vs_plain" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    labels = [
+        f"{r['model']}\n{r['batch']}x{r['prompt'] // 1024}K k={r['block']} {r['draft_kv']}"
+        for r in forced
+    ]
+    x = range(len(forced))
+    left.bar([i - 0.2 for i in x], [r["step_ratio"] for r in forced], 0.4, label="vs plain")
+    left.bar(
+        [i + 0.2 for i in x],
+        [r.get("step_ratio_serial") or 0 for r in forced],
+        0.4,
+        label="vs plain without overlap",
+    )
+    left.axhline(STEP_TARGET, color="k", ls="--", lw=1, label=f"target {STEP_TARGET}")
+    left.set_xticks(list(x), labels, fontsize=7)
+    left.set_ylabel("draft+verify step / plain step")
+    left.set_title("8B shape, forced acceptance")
+    left.legend(fontsize=8)
+    kvs = sorted({r["draft_kv"] for r in chain})
+    batches = sorted({r["batch"] for r in chain})
+    for k, kv in enumerate(kvs):
+        got = {r["batch"]: r["vs_plain"] for r in chain if r["draft_kv"] == kv}
+        right.bar(
+            [i + 0.4 * (k - (len(kvs) - 1) / 2) for i in range(len(batches))],
+            [got.get(b, 0) for b in batches],
+            0.4,
+            label=f"{kv} draft KV",
+        )
+    for i, b in enumerate(batches):
+        if b in CHAIN_TARGETS:
+            right.hlines(CHAIN_TARGETS[b], i - 0.45, i + 0.45, colors="k", linestyles="--")
+    right.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    right.set_ylabel("tokens/s over plain")
+    right.set_title("chain models, real acceptance (dashed: targets)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

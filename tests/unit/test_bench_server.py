@@ -244,3 +244,31 @@ def test_chain_rows_table_and_prompts(tmp_path):
     assert len(lines) == 3
     assert "ATOM_DSPARK, fp8 pool" in table and ">= 2.5" in table and ">= 1.8" in table
     assert "31/32" in table and "2.6" in table and "| 5 " not in table
+
+
+def test_spec_results_are_written_with_their_plot(tmp_path, monkeypatch):
+    """write_results over DSpark rows writes both DSpark tables and asks for the spec suite's
+    plot (server_spec.png) from server_dspark.plot; rows of no suite with a plot ask for none."""
+    import bench_server
+    import server_dspark as dspark
+
+    asked = []
+    monkeypatch.setattr(bench_server, "_plot", lambda fn, rows, path: asked.append((fn, path)))
+    base = dict(model="llama3-8b", backend="atom", kv="bf16", prompt=4096, output=128, run="r")
+    rows = [
+        dict(base, batch=1, spec="none", decode_tok_s=200.0, ttft_s=0.1),
+        dict(base, batch=1, spec="dspark", block=4, forced_accept=3, draft_kv="bf16",
+             accept_len=4.0, decode_tok_s=500.0, vs_plain=2.5, step_ratio=1.6, ttft_s=0.1),
+        dict(base, batch=32, prompt=64, spec="chain-dspark", draft_kv="fp8", accept_len=4.9,
+             decode_tok_s=2e4, decode_tok_s_client=1.9e4, vs_plain=2.2, same=32, ttft_s=0.01),
+    ]  # fmt: skip
+    (tmp_path / "server.json").write_text(json.dumps({"rows": rows}))
+    header = {"machine": "m", "date": "d", "command": "c", "copy_gbps": 1.0}
+    md = bench_server.write_results(tmp_path, header, [])
+    assert "under forced acceptance" in md and "with real acceptance" in md
+    assert asked == [(dspark.plot, tmp_path / "server_spec.png")]
+
+    asked.clear()
+    (tmp_path / "server.json").write_text(json.dumps({"rows": rows[:1]}))
+    bench_server.write_results(tmp_path, header, [])
+    assert asked == []
