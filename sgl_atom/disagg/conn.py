@@ -592,14 +592,15 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         in one WRITE."""
         if not src:
             return [], []
+        src_arr, dst_arr = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         items, packed = [], []
         for pair in peer.plan.pairs:
             addr = peer.hs.region_addrs[pair.consumer_index]
             if self.stager.enabled and packs(pair):
                 packed.append((pair, addr))
                 continue
-            spans = pair.spans(src, dst)
-            if spans:
+            spans = pair.spans(src_arr, dst_arr)
+            if len(spans):
                 items.append((spans, f"r{pair.producer_index}", addr))
         out = self.engine.write_many(peer.hs.agent_name, items)
         if not packed:

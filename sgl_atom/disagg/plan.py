@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from sgl_atom.disagg.regions import RegionDesc
 from sgl_atom.parallel_layout import LayoutError, heads_of_rank
 
@@ -96,32 +98,30 @@ class PairPlan:
         same = self.src_runs == self.dst_runs and self.src_heads == self.dst_heads
         return same and self.num_heads == self.src_heads
 
-    def spans(
-        self, src_pages: Sequence[int], dst_pages: Sequence[int]
-    ) -> list[tuple[int, int, int]]:
-        """(src byte offset, dst byte offset, length) into each side's region buffer.
+    def spans(self, src_pages: Sequence[int], dst_pages: Sequence[int]) -> np.ndarray:
+        """[N, 3] int64 rows (src byte offset, dst byte offset, length) into each side's region
+        buffer, in token order; built with array operations (a 16K-token chunk of a 64-region
+        pool is 64K rows at page 16, which a Python loop took tens of ms to build per request).
 
         src_pages/dst_pages hold the same tokens in order; with different page sizes they differ
         in length and the shorter one (in runs) bounds the copy.
         """
+        src = np.asarray(src_pages, dtype=np.int64)
+        dst = np.asarray(dst_pages, dtype=np.int64)
         if self.whole_pages:
-            n, pb = min(len(src_pages), len(dst_pages)), self.src_page_bytes
-            return [(src_pages[i] * pb, dst_pages[i] * pb, pb) for i in range(n)]
-        n_runs = min(len(src_pages) * self.src_runs, len(dst_pages) * self.dst_runs)
-        chunk, out = self.chunk_bytes, []
-        for r in range(n_runs):
-            sp, sj = divmod(r, self.src_runs)
-            dp, dj = divmod(r, self.dst_runs)
-            src = (
-                src_pages[sp] * self.src_page_bytes
-                + (sj * self.src_heads + self.src_head_start) * chunk
-            )
-            dst = (
-                dst_pages[dp] * self.dst_page_bytes
-                + (dj * self.dst_heads + self.dst_head_start) * chunk
-            )
-            out.append((src, dst, self.span_bytes))
-        return out
+            n, pb = min(len(src), len(dst)), self.src_page_bytes
+            return np.stack([src[:n] * pb, dst[:n] * pb, np.full(n, pb, dtype=np.int64)], axis=1)
+        n_runs = min(len(src) * self.src_runs, len(dst) * self.dst_runs)
+        run = np.arange(n_runs, dtype=np.int64)
+        sp, sj = np.divmod(run, self.src_runs)
+        dp, dj = np.divmod(run, self.dst_runs)
+        chunk = self.chunk_bytes
+        src_head = (sj * self.src_heads + self.src_head_start) * chunk
+        dst_head = (dj * self.dst_heads + self.dst_head_start) * chunk
+        src_off = src[sp] * self.src_page_bytes + src_head
+        dst_off = dst[dp] * self.dst_page_bytes + dst_head
+        length = np.full(n_runs, self.span_bytes, dtype=np.int64)
+        return np.stack([src_off, dst_off, length], axis=1)
 
 
 @dataclass(frozen=True)
