@@ -272,3 +272,23 @@ def test_spec_results_are_written_with_their_plot(tmp_path, monkeypatch):
     (tmp_path / "server.json").write_text(json.dumps({"rows": rows[:1]}))
     bench_server.write_results(tmp_path, header, [])
     assert asked == []
+
+
+def test_differential_rate_cancels_what_both_runs_share(monkeypatch):
+    """The chain rows' rate: batch x N over (time to 2N tokens - time to N tokens), with the
+    longer run's outputs; a run no longer than the short one is unmeasurable (0)."""
+    import bench_server
+
+    times = {8: 1.5, 16: 2.5}  # 1 s of fixed cost (prefill, first token), 8 tokens in 1 s
+    asked = []
+
+    def fake(srv, ids, new):
+        asked.append(new)
+        return times[new], [[new] * new for _ in ids]
+
+    monkeypatch.setattr(bench_server, "generate_ids", fake)
+    rate, outs = bench_server.differential_rate(None, [[1], [2], [3]], 8)
+    assert asked == [8, 16] and rate == 3 * 8 / 1.0
+    assert outs == [[16] * 16] * 3
+    times[16] = 1.5
+    assert bench_server.differential_rate(None, [[1]], 8)[0] == 0.0
