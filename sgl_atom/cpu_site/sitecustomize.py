@@ -2,10 +2,10 @@
 puts this folder first on ``PYTHONPATH`` (CPU reference mode only, never on a host with a driver).
 
 NVIDIA's CuTe DSL (the ``cutlass`` package) only builds GPU kernels, yet flashinfer imports it
-whenever it is installed, and SGLang imports flashinfer on every path: about 1.3 s of each
-process's start-up, and a CPU server starts three processes. Marking it absent makes flashinfer
-report the DSL unavailable, as on a host without it. A ``sitecustomize`` this one shadows still
-runs after it.
+whenever it is installed, and SGLang imports flashinfer on every path: about 3 s of each
+process's start-up on a 2-core host, and a CPU server starts three processes. Marking it absent
+makes flashinfer report the DSL unavailable, as on a host without it. A ``sitecustomize`` this
+one shadows still runs after it.
 """
 
 import importlib.machinery

@@ -647,7 +647,8 @@ class MiniMaxM3SparseForCausalLM(nn.Module):
             else:
                 loader(param, tensor, shard)
             loaded.add(target)
-        missing = set(params) - loaded - self._scales_made_at_load(set(params) - loaded)
+        unloaded = set(params) - loaded
+        missing = unloaded - self._scales_made_at_load(unloaded)
         if missing:
             raise KeyError(f"parameters not in the checkpoint: {sorted(missing)[:8]}")
         if dense_index:
