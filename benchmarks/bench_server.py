@@ -296,18 +296,24 @@ def decode_ids(srv: Server, ids: list[list[int]], output: int):
     ttft = generate(srv, ids, 1)
     mark = len(srv.log_text())
     total, outs = generate_ids(srv, ids, output)
-    client = len(ids) * (output - 1) / (total - ttft) if total > ttft else 0.0  # 0: unmeasurable
-    return ttft, srv.log_text()[mark:], client, outs
+    return ttft, srv.log_text()[mark:], client_rate(len(ids), output, total, ttft), outs
+
+
+def client_rate(batch: int, output: int, total: float, ttft: float) -> float:
+    """Tokens/s past the first token of a batch that took ``total`` s for ``output`` tokens
+    each, with ``ttft`` from a 1-token run (0: unmeasurable)."""
+    return batch * (output - 1) / (total - ttft) if total > ttft else 0.0
 
 
 def differential_rate(srv: Server, ids: list[list[int]], output: int):
-    """(decode tokens/s, greedy output ids of the longer run): the batch decoded to ``output``
-    and then to ``2 * output`` new tokens, rate = batch x output over the difference of the two
-    times. Prefill, first token and per-request costs cancel, and nothing depends on SGLang's
-    log interval, which short runs of a small model barely fill."""
+    """(decode tokens/s, seconds of the ``output``-token run, greedy output ids of the longer
+    run): the batch decoded to ``output`` and then to ``2 * output`` new tokens, rate = batch x
+    output over the difference of the two times. Prefill, first token and per-request costs
+    cancel, and nothing depends on SGLang's log interval, which short runs of a small model
+    barely fill."""
     short, _ = generate_ids(srv, ids, output)
     long, outs = generate_ids(srv, ids, 2 * output)
-    return (len(ids) * output / (long - short) if long > short else 0.0), outs
+    return (len(ids) * output / (long - short) if long > short else 0.0), short, outs
 
 
 def profile_step(srv: Server, ids, output: int, label: str, graphs_per_step: int) -> None:
@@ -549,9 +555,11 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
         with started(target, srv_args, label, env, args.logs, 16) as srv:
             for batch in batches:
                 ids = dspark.chain_prompts(target, batch, prompt, seed=batch)
-                ttft, log, client, _ = decode_ids(srv, ids, output)
-                log_rate, accept, n = dspark.spec_log_rate(log, batch)
-                rate, outs = differential_rate(srv, ids, output)
+                ttft = generate(srv, ids, 1)
+                mark = len(srv.log_text())
+                rate, short, outs = differential_rate(srv, ids, output)
+                client = client_rate(batch, output, short, ttft)
+                log_rate, accept, n = dspark.spec_log_rate(srv.log_text()[mark:], batch)
                 extra = {"spec": "chain-none" if kind == "none" else "chain-dspark"}
                 extra |= dict(log_tok_s=round(log_rate, 1), rate_method="differential")
                 if kind == "none":

@@ -276,7 +276,8 @@ def test_spec_results_are_written_with_their_plot(tmp_path, monkeypatch):
 
 def test_differential_rate_cancels_what_both_runs_share(monkeypatch):
     """The chain rows' rate: batch x N over (time to 2N tokens - time to N tokens), with the
-    longer run's outputs; a run no longer than the short one is unmeasurable (0)."""
+    N-token run's time and the longer run's outputs; a run no longer than the short one is
+    unmeasurable (0). The client rate past the first token comes from one formula."""
     import bench_server
 
     times = {8: 1.5, 16: 2.5}  # 1 s of fixed cost (prefill, first token), 8 tokens in 1 s
@@ -287,8 +288,10 @@ def test_differential_rate_cancels_what_both_runs_share(monkeypatch):
         return times[new], [[new] * new for _ in ids]
 
     monkeypatch.setattr(bench_server, "generate_ids", fake)
-    rate, outs = bench_server.differential_rate(None, [[1], [2], [3]], 8)
-    assert asked == [8, 16] and rate == 3 * 8 / 1.0
+    rate, short, outs = bench_server.differential_rate(None, [[1], [2], [3]], 8)
+    assert asked == [8, 16] and rate == 3 * 8 / 1.0 and short == 1.5
     assert outs == [[16] * 16] * 3
     times[16] = 1.5
     assert bench_server.differential_rate(None, [[1]], 8)[0] == 0.0
+    assert bench_server.client_rate(3, 8, 1.5, 0.5) == 3 * 7 / 1.0
+    assert bench_server.client_rate(3, 8, 0.5, 0.5) == 0.0

@@ -35,6 +35,10 @@ def markov_step_logits(
     return bias.add_(base_logits)
 
 
+# torch's mm takes out_dtype (float32 output of a bf16/fp16 GEMM) where this overload exists
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
 def _tensor_core_bias(rows: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the bias GEMM can run in the weights' own half precision with float32 output
     (CUDA, matching bf16/fp16 dtypes, a torch with ``mm``'s ``out_dtype``)."""
@@ -42,7 +46,7 @@ def _tensor_core_bias(rows: torch.Tensor, w2: torch.Tensor) -> bool:
         rows.is_cuda
         and rows.dtype in (torch.bfloat16, torch.float16)
         and w2.dtype == rows.dtype
-        and hasattr(torch.ops.aten.mm, "dtype")
+        and _MM_OUT_DTYPE
     )
 
 
