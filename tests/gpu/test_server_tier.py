@@ -416,9 +416,9 @@ def m3_fp8_weights(gpu_servers, m3_gpu) -> dict:
 def test_m3_tiny_fp8_weights(m3_gpu, m3_fp8_weights, report):
     """``--quantization fp8`` (the tiny bf16 checkpoint's projections and experts quantised as
     they load): serves through the decode graphs with the sparse path, and stays near the
-    float64 reference of the bf16 weights. The error bound is the first guess of a new path
-    (per-tensor e4m3 weights: a few percent per weight), loose on purpose, and the figures are
-    reported: replace it with the measured ones."""
+    float64 reference of the bf16 weights. Bounds: twice what the H200 measured on
+    2026-12-03 (max |dlogp| 0.253, mean 0.050, benchmarks/results/gpu_server_tests.log), about
+    what per-tensor e4m3 weights cost (a few percent per weight) on this checkpoint."""
     run = m3_fp8_weights
     err = _m3_err(m3_gpu, "m3-fp8w", run)
     vs_bf16 = (torch_tensor(run["logprobs"]) - torch_tensor(m3_gpu["m3-bf16"]["logprobs"])).abs()
@@ -429,4 +429,4 @@ def test_m3_tiny_fp8_weights(m3_gpu, m3_fp8_weights, report):
     )
     _m3_served_sparse(run["log"])
     assert "sgl_atom MiniMax-M3: --quantization fp8" in run["log"]
-    assert err.isfinite().all() and err.mean() <= 0.2
+    assert err.isfinite().all() and err.mean() <= 0.1 and err.max() <= 0.5
