@@ -96,7 +96,8 @@ class AtomAttnBackend(AttentionBackend):
         self.max_context_len = model_runner.model_config.context_len
         self.sparse = self._init_sparse(cfg)
         self._sms = num_sms(torch.device(self.device)) if not self.on_cpu else 1
-        self.decode_tuning = self._load_decode_tuning()
+        self.decode_tuning = self._load_decode_tuning("decode")
+        self.verify_tuning = self._load_decode_tuning("verify")
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_state: dict[str, torch.Tensor] | None = None
         logger.info(
@@ -115,16 +116,20 @@ class AtomAttnBackend(AttentionBackend):
             else "",
         )
 
-    def _load_decode_tuning(self) -> decode_tuning.DecodeTuning:
-        """The decode tiling and split plan for this device and KV dtype (defaults on CPU)."""
+    def _load_decode_tuning(self, section: str) -> decode_tuning.DecodeTuning:
+        """The decode (or target-verify) tiling and split plan for this device and KV dtype
+        (defaults on CPU)."""
         if self.on_cpu:
             return decode_tuning.DecodeTuning()
         name = torch.cuda.get_device_name(torch.device(self.device))
         kv = "fp8" if self.fp8 else "bf16"
-        tuning, source = decode_tuning.load(kv, name, envs.SGL_ATOM_DECODE_TUNING.get())
+        path = envs.SGL_ATOM_DECODE_TUNING.get()
+        tuning, source = decode_tuning.load(kv, name, path, section)
         if self.fp8:
             decode_tuning.check_kv_mode(tuning, self.data_type, source)
-        logger.info("atom decode (%s KV on %s): %s, from %s", kv, name, tuning.describe(), source)
+        logger.info(
+            "atom %s (%s KV on %s): %s, from %s", section, kv, name, tuning.describe(), source
+        )
         return tuning
 
     def _init_sparse(self, cfg):
@@ -260,7 +265,7 @@ class AtomAttnBackend(AttentionBackend):
         meta.num_splits = self._num_splits(bs, self.max_context_len, meta.num_draft == 0)
 
     def _num_splits(self, bs: int, max_kv: int, decode: bool) -> int:
-        waves = self.decode_tuning.waves if decode else 2.0
+        waves = (self.decode_tuning if decode else self.verify_tuning).waves
         return decode_num_splits(bs, self.kv_heads, max_kv, self._sms, waves)
 
     # ---- forward --------------------------------------------------------------------------
@@ -313,6 +318,8 @@ class AtomAttnBackend(AttentionBackend):
                 kw.update(self.decode_tuning.kernel_kwargs())
             self.ops.decode(*args, self.page_size, layer.scaling, **kw)
         elif mode.is_target_verify():
+            if not self.on_cpu:
+                kw.update(self.verify_tuning.kernel_kwargs())
             self.ops.verify(*args, self.page_size, layer.scaling, meta.num_draft, **kw)
         else:
             if self.fp8 and k is not None and k.dtype == q3.dtype:

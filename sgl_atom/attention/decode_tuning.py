@@ -9,8 +9,11 @@ A tuning file is JSON written by ``benchmarks/tune_decode.py --write-config``::
                 "fp8": {...}}}
 
 The backend reads ``SGL_ATOM_DECODE_TUNING`` (a path) when set, else the committed file of its
-device under ``tuned/`` (``NVIDIA_H200.json``), else the launcher's built-in defaults. Only the
-one-query decode is tuned; verify keeps the launcher's defaults (more query rows per tile).
+device under ``tuned/`` (``NVIDIA_H200.json``), else the launcher's built-in defaults. A file may
+also carry a ``"verify"`` object of the same form (``benchmarks/tune_verify.py --write-config``):
+the tiling of target-verify attention, whose tiles hold every draft token's query rows of a KV
+head (20 rows for 5 tokens at GQA 4, against 4 for a decode); without it verify keeps the
+launcher's defaults.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..kernels.paged_attention.common import kv_mode_id
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 KV_KINDS = ("bf16", "fp8")
+SECTIONS = ("decode", "verify")
 
 
 class DecodeTuningError(ValueError):
@@ -84,11 +88,18 @@ def device_file(device_name: str) -> Path:
     return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
 
 
-def load(kv: str, device_name: str, path: str = "") -> tuple[DecodeTuning, str]:
+def load(
+    kv: str, device_name: str, path: str = "", section: str = "decode"
+) -> tuple[DecodeTuning, str]:
     """(tuning, where it came from) for KV kind ``kv`` ("bf16" or "fp8") on ``device_name``:
-    ``path`` when given (it must exist), else the device's committed file, else defaults."""
+    ``path`` when given (it must exist), else the device's committed file, else defaults.
+
+    ``section`` is "decode" (the file must hold it) or "verify" (optional: a file without a
+    "verify" object leaves the launcher's defaults, and says so)."""
     if kv not in KV_KINDS:
         raise ValueError(f"kv {kv!r} is not one of {KV_KINDS}")
+    if section not in SECTIONS:
+        raise ValueError(f"section {section!r} is not one of {SECTIONS}")
     if path:
         file = Path(path)
         if not file.is_file():
@@ -101,10 +112,12 @@ def load(kv: str, device_name: str, path: str = "") -> tuple[DecodeTuning, str]:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise DecodeTuningError(f"decode tuning file {file}: not JSON ({e})") from e
-    decode = data.get("decode") if isinstance(data, dict) else None
-    if not isinstance(decode, dict) or kv not in decode:
-        raise DecodeTuningError(f"decode tuning file {file}: no 'decode' entry for {kv!r} KV")
-    return parse(decode[kv], f"decode tuning file {file}, decode.{kv}"), str(file)
+    entries = data.get(section) if isinstance(data, dict) else None
+    if section == "verify" and entries is None:
+        return DecodeTuning(), f"built-in defaults ({file} has no verify entry)"
+    if not isinstance(entries, dict) or kv not in entries:
+        raise DecodeTuningError(f"decode tuning file {file}: no {section!r} entry for {kv!r} KV")
+    return parse(entries[kv], f"decode tuning file {file}, {section}.{kv}"), str(file)
 
 
 def check_kv_mode(tuning: DecodeTuning, q_dtype: torch.dtype, source: str) -> None:

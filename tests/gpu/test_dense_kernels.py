@@ -236,3 +236,38 @@ def test_markov_refine_on_device_matches_float64(batch):
         prev = tokens[:, j]
     one = markov_step_logits(base[:, 0], anchor, w1, w2)
     assert one.dtype == torch.float32 and torch.equal(one, logits[:, 0])
+
+
+def _committed_verify_tilings() -> list[tuple[str, dict]]:
+    from sgl_atom.attention import decode_tuning as dt
+
+    out = []
+    for file in sorted(dt.TUNED_DIR.glob("*.json")):
+        for kv in dt.KV_KINDS:
+            tuning, _ = dt.load(kv, "", str(file), "verify")
+            out.append((f"{file.stem}-{kv}", dict(kv=kv, **tuning.kernel_kwargs())))
+    return out
+
+
+@pytest.mark.parametrize("num_draft", [5, 8], ids=lambda n: f"draft{n}")
+@pytest.mark.parametrize(
+    "label,tiling", _committed_verify_tilings(), ids=[t[0] for t in _committed_verify_tilings()]
+)
+def test_committed_verify_tilings(label, tiling, num_draft, report):
+    """The target-verify tiling of each committed tuning file (what the atom backend launches
+    for verify on that device), at the server's shape (32 q / 8 KV heads, page 16), split 1..8
+    ways, against float64."""
+    tiling = dict(tiling)
+    dtype = FP8 if tiling.pop("kv") == "fp8" else torch.bfloat16
+    lens = [4096, num_draft, 9000, 130]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 8, 128, 16, dtype, DEV, seed=num_draft)
+    q = queries(len(lens) * num_draft, 32, 128, DEV, seed=num_draft + 1)
+    ref = pa.reference_verify(q, kc, vc, table, sl, 16, 128**-0.5, ks, vs)
+    for splits in (1, 3, 8):
+        out = pa.verify_fwd(
+            q, kc, vc, table, sl, 16, 128**-0.5, num_draft, out=poisoned(q.shape, q.dtype, DEV),
+            k_scale=ks, v_scale=vs, num_splits=splits, **tiling,
+        )  # fmt: skip
+        assert_close_rel(out, ref, TUNED_TOL, f"splits {splits}")
+    err = rel_err(out, ref)
+    report(f"GPU verify {label} {tiling or 'defaults'} draft {num_draft}: rel err {err:.1e}")

@@ -74,8 +74,10 @@ def test_committed_files_parse():
     """Every committed device file loads for both KV kinds."""
     for file in sorted(dt.TUNED_DIR.glob("*.json")):
         for kv in dt.KV_KINDS:
-            tuning, source = dt.load(kv, json.loads(file.read_text())["device"])
-            assert source == str(file) and isinstance(tuning, dt.DecodeTuning)
+            for section in dt.SECTIONS:
+                device = json.loads(file.read_text())["device"]
+                tuning, source = dt.load(kv, device, section=section)
+                assert str(file) in source and isinstance(tuning, dt.DecodeTuning)
 
 
 def test_kv_mode_the_model_cannot_take_is_refused_at_start_up():
@@ -84,3 +86,30 @@ def test_kv_mode_the_model_cannot_take_is_refused_at_start_up():
     with pytest.raises(dt.DecodeTuningError, match="f.json: kv_mode 'bits' needs a bf16 q"):
         dt.check_kv_mode(bits, torch.float16, "f.json")
     dt.check_kv_mode(dt.DecodeTuning(), torch.float16, "f.json")  # no mode: the default
+
+
+def test_verify_section_is_optional_and_checked(tmp_path):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"decode": {"bf16": {}}}))
+    tuning, source = dt.load("bf16", "X", str(path), "verify")
+    assert tuning == dt.DecodeTuning() and "no verify entry" in source
+    verify = {"bf16": {"block_n": 128, "num_stages": 3}, "fp8": {"waves": 4.0}}
+    path.write_text(json.dumps({"decode": {"bf16": {"block_n": 64}}, "verify": verify}))
+    tuning, source = dt.load("bf16", "X", str(path), "verify")
+    assert source == str(path) and tuning.kernel_kwargs() == {"block_n": 128, "num_stages": 3}
+    assert dt.load("bf16", "X", str(path))[0].kernel_kwargs() == {"block_n": 64}
+    assert dt.load("fp8", "X", str(path), "verify")[0].waves == 4.0
+    path.write_text(json.dumps({"decode": {}, "verify": {"bf16": {"block_n": 100}}}))
+    with pytest.raises(dt.DecodeTuningError, match=r"verify\.bf16.*block_n=100"):
+        dt.load("bf16", "X", str(path), "verify")
+    with pytest.raises(dt.DecodeTuningError, match="no 'verify' entry for 'fp8'"):
+        dt.load("fp8", "X", str(path), "verify")
+    with pytest.raises(ValueError, match="section 'prefill'"):
+        dt.load("bf16", "X", str(path), "prefill")
+
+
+def test_committed_h200_verify_tiling():
+    """The committed H200 file tunes bf16 verify (benchmarks/results/tune_verify.log)."""
+    tuning, source = dt.load("bf16", "NVIDIA H200", section="verify")
+    assert source.endswith("NVIDIA_H200.json")
+    assert tuning.kernel_kwargs() == {"block_n": 128, "num_warps": 4, "num_stages": 3}
