@@ -275,23 +275,36 @@ def test_spec_results_are_written_with_their_plot(tmp_path, monkeypatch):
 
 
 def test_differential_rate_cancels_what_both_runs_share(monkeypatch):
-    """The chain rows' rate: batch x N over (time to 2N tokens - time to N tokens), with the
-    N-token run's time and the longer run's outputs; a run no longer than the short one is
-    unmeasurable (0). The client rate past the first token comes from one formula."""
+    """The chain rows' rate: batch x N over (fastest time to 2N tokens - fastest time to N
+    tokens), after one untimed N-token run, with the N-token time and the longer run's outputs;
+    a run no longer than the short one is unmeasurable (0). The client rate past the first
+    token comes from one formula."""
     import bench_server
 
-    times = {8: 1.5, 16: 2.5}  # 1 s of fixed cost (prefill, first token), 8 tokens in 1 s
+    # 1 s of fixed cost (prefill, first token), 8 tokens in 1 s; the first run pays 5 s more
+    # and one of the longer runs 1 s of noise
+    times = {8: [6.5, 1.5, 1.6, 1.5], 16: [3.5, 2.5, 2.6]}
     asked = []
 
     def fake(srv, ids, new):
         asked.append(new)
-        return times[new], [[new] * new for _ in ids]
+        return times[new].pop(0), [[new] * new for _ in ids]
 
     monkeypatch.setattr(bench_server, "generate_ids", fake)
     rate, short, outs = bench_server.differential_rate(None, [[1], [2], [3]], 8)
-    assert asked == [8, 16] and rate == 3 * 8 / 1.0 and short == 1.5
+    assert asked == [8, 8, 16, 8, 16, 8, 16] and rate == 3 * 8 / 1.0 and short == 1.5
     assert outs == [[16] * 16] * 3
-    times[16] = 1.5
-    assert bench_server.differential_rate(None, [[1]], 8)[0] == 0.0
+    times.update({8: [9.0, 1.5], 16: [1.5]})
+    assert bench_server.differential_rate(None, [[1]], 8, repeats=1)[0] == 0.0
     assert bench_server.client_rate(3, 8, 1.5, 0.5) == 3 * 7 / 1.0
     assert bench_server.client_rate(3, 8, 0.5, 0.5) == 0.0
+
+
+def test_chain_rows_stay_within_the_targets_trained_length():
+    """N and 2N new tokens after the 64-token prompt stay within the 160 tokens the chain
+    target was trained on; a shorter N is kept."""
+    import server_dspark as dspark
+
+    n = dspark.chain_output(128)
+    assert dspark.CHAIN_PROMPT + 2 * n <= dspark.CHAIN_TRAINED and n == 48
+    assert dspark.chain_output(16) == 16 and dspark.chain_output(0) == 1
