@@ -138,19 +138,26 @@ def write_config(path: str, speed: dict, argv: list[str]) -> None:
     print(f"decode tuning written to {path}")
 
 
+def sweep(run_fn, shapes, quick: bool, head: list[str]) -> dict:
+    """``run_fn(batch, ctx, fp8, copy, quick, rows, speed)`` at every shape, bf16 then fp8 KV,
+    after the device copy rate; prints the table of ``rows`` and returns ``speed``."""
+    copy = copy_bandwidth()
+    print(f"{device_name()}: copy {copy:.0f} GB/s; {HQ} q / {HKV} KV heads, d{D}, page {PAGE}")
+    rows: list = []
+    speed: dict = {}
+    for (batch, ctx), fp8 in itertools.product(shapes, (False, True)):
+        run_fn(batch, ctx, fp8, copy, quick, rows, speed)
+    print(format_table(head, rows))
+    return speed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three tilings per kind")
     ap.add_argument("--write-config", default="", help="write the best variants as a tuning file")
     args = ap.parse_args()
-    copy = copy_bandwidth()
-    print(f"{device_name()}: copy {copy:.0f} GB/s; {HQ} q / {HKV} KV heads, d{D}, page {PAGE}")
-    rows: list = []
-    speed: dict = {}
-    for (batch, ctx), fp8 in itertools.product(SHAPES, (False, True)):
-        run(batch, ctx, fp8, copy, args.quick, rows, speed)
     head = ["kv", "shape", "variant", "ms", "GB/s", "of copy", "vs default", "rel err"]
-    print(format_table(head, rows))
+    speed = sweep(run, SHAPES, args.quick, head)
     if args.write_config:
         write_config(args.write_config, speed, sys.argv[1:])
 

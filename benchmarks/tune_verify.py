@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import math
 import os
@@ -27,20 +26,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_paged_attention import kv_bytes, paged  # noqa: E402
-from common import (  # noqa: E402
-    REPO_ROOT,
-    copy_bandwidth,
-    device_name,
-    format_table,
-    import_kernels,
-    time_ms,
-)
+from common import REPO_ROOT, import_kernels, time_ms  # noqa: E402
+from tune_decode import GRAPH_CONTEXT, HKV, HQ, PAGE, D, sweep  # noqa: E402
 
 pa = import_kernels("paged_attention")
-HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(1, 4096), (16, 4096), (64, 4096)]
 NUM_DRAFT = (5, 8)  # k = 4 and k = 7 draft tokens plus the verified one
-GRAPH_CONTEXT = 32768
 
 
 def decode_tuning(fp8: bool) -> dict:
@@ -133,14 +124,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="three tilings")
     ap.add_argument("--write-config", default="", help="add the best tilings as 'verify' entries")
     args = ap.parse_args()
-    copy = copy_bandwidth()
-    print(f"{device_name()}: copy {copy:.0f} GB/s; {HQ} q / {HKV} KV heads, d{D}, page {PAGE}")
-    rows: list = []
-    speed: dict = {}
-    for (batch, ctx), fp8 in itertools.product(SHAPES, (False, True)):
-        run(batch, ctx, fp8, copy, args.quick, rows, speed)
     head = ["kv", "shape", "tokens", "variant", "ms", "of copy", "x decode", "rel err"]
-    print(format_table(head, rows))
+    speed = sweep(run, SHAPES, args.quick, head)
     picks = {}
     for kv in ("bf16", "fp8"):
         cfg, score = best(speed, kv)
