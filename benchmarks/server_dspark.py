@@ -189,6 +189,7 @@ def chain_table(rows: list[dict]) -> str:
         out.append(
             [
                 f"{r['batch']}x{r['prompt']}",
+                f"{r['output']} / {2 * r['output']}" if r.get("rate_method") else r["output"],
                 f"ATOM_DSPARK, {r['draft_kv']} pool" if spec else "plain",
                 r.get("accept_len", "-") if spec else 1,
                 round(r["decode_tok_s"]),
@@ -202,6 +203,7 @@ def chain_table(rows: list[dict]) -> str:
     return format_table(
         [
             "batch x prompt",
+            "new tokens",
             "serving",
             "accept len",
             "decode tok/s",

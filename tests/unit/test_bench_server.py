@@ -230,11 +230,11 @@ def test_chain_rows_table_and_prompts(tmp_path):
     def row(spec, batch, tok_s, **extra):
         return dict(
             model="llama-chain", kv="bf16", run="r1", spec=spec, batch=batch, prompt=64,
-            decode_tok_s=tok_s, decode_tok_s_client=tok_s * 0.9, ttft_s=0.1, **extra,
+            output=48, decode_tok_s=tok_s, decode_tok_s_client=tok_s * 0.9, ttft_s=0.1, **extra,
         )  # fmt: skip
 
     rows = [
-        row("chain-none", 1, 100.0),
+        row("chain-none", 1, 100.0, rate_method="differential"),
         row("chain-dspark", 1, 260.0, draft_kv="fp8", accept_len=5.1, vs_plain=2.6, same=1),
         row("chain-dspark", 32, 1500.0, draft_kv="bf16", accept_len=4.7, vs_plain=1.71, same=31),
         row("none", 1, 5.0),  # a forced-acceptance row: not this table's
@@ -244,6 +244,8 @@ def test_chain_rows_table_and_prompts(tmp_path):
     assert len(lines) == 3
     assert "ATOM_DSPARK, fp8 pool" in table and ">= 2.5" in table and ">= 1.8" in table
     assert "31/32" in table and "2.6" in table and "| 5 " not in table
+    # the differential rate's row names both lengths it decoded; an older row its one length
+    assert table.count("| 48 / 96 ") == 1 and table.count("| 48 ") == 3
 
 
 def test_spec_results_are_written_with_their_plot(tmp_path, monkeypatch):
