@@ -43,10 +43,10 @@ the same model all dense, at 32K/64K/128K context and batch 1 and 16 (rows with 
 table is the third one in server.md, their plot server_m3.png. With `--cpu-smoke`, on the tiny
 m3 shape on CPU.
 
-`--profile-steps N` adds, after each timed decode, one more run of the same batch under SGLang's
-profiler (N decode steps, `server_profile.py`): per step, the GPU's busy and idle time, its
-kernels by time, and its longest idle gaps with the host operations across them, appended to
-server_profile.md in --out.
+`--profile-steps N` adds, after each timed decode (the chain rows' too), one more run of the
+same batch under SGLang's profiler (N decode steps, `server_profile.py`): per step, the GPU's
+busy and idle time, its kernels by time, and its longest idle gaps with the host operations
+across them, appended to server_profile.md in --out.
 
 `--pd` measures a P/D pair on one GPU against a unified server (`server_pd.py`): TTFT at batch
 1 per prompt length and the KV each request moves (bytes, NIXL descriptors, write time, GB/s,
@@ -590,6 +590,11 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
                 if kind == "none":
                     plain[batch] = row
                 rows.append(row)
+                if PROFILE.steps:  # within the trained length: prompt + at most 2N new tokens
+                    new = min(2 * output, max(output, 8 * (PROFILE.steps + 2)))
+                    profile_step(
+                        srv, ids, new, f"{label}-{batch}x{prompt}", 1 if kind == "none" else 2
+                    )
                 print(
                     f"[bench_server] llama-chain {label} {batch}x{prompt}: {row.decode_tok_s} "
                     f"tok/s ({output} vs {2 * output} new tokens; SGLang's log {log_rate:.1f}), "
