@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|nixl|pack
+#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
 # Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
-# kernels, tune-decode, tune-kernels and ncu-decode need torch and Triton only: they run on part
-# 1 alone (the first call of the two-call routine).
+# kernels, tune-decode, tune-verify, tune-kernels and ncu-decode need torch and Triton only: they
+# run on part 1 alone (the first call of the two-call routine).
 # tune-kernels writes the measured decode tuning to
 # $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
 # calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json. It then writes the kernel's
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: gpu_call.sh WHAT [args]}; shift
 case "$what" in
-  kernels|tune-decode|tune-kernels|ncu-decode)
+  kernels|tune-decode|tune-verify|tune-kernels|ncu-decode)
     # shellcheck disable=SC1091
     source "${GPU_BUNDLE:-.gpu}/device-env.sh" || {
       echo "gpu_call: SGLang bundle incomplete; $what needs torch and Triton only"
@@ -33,7 +33,7 @@ pack_out() {
   [ "$n" -le 8 ] && return
   tar czf /tmp/all.tar.gz -C "$OUT" . && mv /tmp/all.tar.gz "$OUT/all.tar.gz"
   find "$OUT" -type f ! -name all.tar.gz ! -name 'gpu_*tests.log' ! -name 'bench_server*.log' \
-    ! -name 'tune_decode.log' ! -name 'decode_tuning.json' -delete
+    ! -name 'tune_decode.log' ! -name 'tune_verify.log' ! -name 'decode_tuning.json' -delete
   find "$OUT" -mindepth 1 -type d -empty -delete
 }
 [ "${GPU_CALL_NESTED:-}" ] || trap pack_out EXIT
@@ -79,7 +79,8 @@ case "$what" in
     tail -n 40 "$OUT"/ncu_decode_summary.txt ;;
   pack) ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
+  tune-verify) python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|nixl|pack [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
 esac
