@@ -109,13 +109,18 @@ def run(batch: int, ctx: int, fp8: bool, copy: float, quick: bool, rows: list, s
     torch.cuda.empty_cache()
 
 
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
 def best(speed: dict, kv: str) -> tuple[dict, float]:
     """The variant of `kv` with the best geometric-mean speedup over the default, among those
     timed at every shape (the default itself scores 1.0)."""
     scored = []
     for (k, _), (cfg, by_shape) in speed.items():
         if k == kv and len(by_shape) == len(SHAPES):
-            scored.append((math.exp(sum(map(math.log, by_shape.values())) / len(SHAPES)), cfg))
+            scored.append((geomean(by_shape.values()), cfg))
     score, cfg = max(scored, key=lambda t: t[0])
     return cfg, score
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_paged_attention import kv_bytes, paged  # noqa: E402
-from common import REPO_ROOT, import_kernels, time_ms  # noqa: E402
-from tune_decode import GRAPH_CONTEXT, HKV, HQ, PAGE, D, sweep  # noqa: E402
+from common import import_kernels, time_ms  # noqa: E402
+from tune_decode import GRAPH_CONTEXT, HKV, HQ, PAGE, D, geomean, rel_err, sweep  # noqa: E402
 
 pa = import_kernels("paged_attention")
 SHAPES = [(1, 4096), (16, 4096), (64, 4096)]
@@ -35,10 +34,12 @@ NUM_DRAFT = (5, 8)  # k = 4 and k = 7 draft tokens plus the verified one
 
 
 def decode_tuning(fp8: bool) -> dict:
-    """The committed H200 decode tiling of the KV kind (what the atom backend launches)."""
-    path = os.path.join(REPO_ROOT, "sgl_atom", "attention", "tuned", "NVIDIA_H200.json")
-    with open(path) as f:
-        return dict(json.load(f)["decode"]["fp8" if fp8 else "bf16"])
+    """The decode tiling the atom backend launches on this device for the KV kind (its
+    committed tuning file), as kernel keyword arguments plus ``waves``."""
+    from sgl_atom.attention import decode_tuning as dt
+
+    tuning, _ = dt.load("fp8" if fp8 else "bf16", torch.cuda.get_device_name(0))
+    return dict(tuning.kernel_kwargs(), waves=tuning.waves)
 
 
 def variants(fp8: bool, quick: bool) -> list[dict]:
@@ -90,7 +91,7 @@ def run(batch, ctx, fp8, copy, quick, rows, speed):
             args = (q, k, v, table, lens, PAGE, D**-0.5, nd)
             try:
                 out = pa.verify_fwd(*args, k_scale=ks, v_scale=vs, **kw)
-                err = float((out[: nb * nd].double() - ref).norm() / ref.norm())
+                err = rel_err(out[: nb * nd], ref)
                 if err > 1e-2:
                     print(f"  {name(cfg)}: rel err {err:.2e}, not timed", flush=True)
                     continue
@@ -112,7 +113,7 @@ def best(speed: dict, kv: str) -> tuple[dict, float]:
     timed at every shape and draft count."""
     want = len(SHAPES) * len(NUM_DRAFT)
     scored = [
-        (math.exp(sum(map(math.log, by.values())) / want), cfg)
+        (geomean(by.values()), cfg)
         for (k, _), (cfg, by) in speed.items()
         if k == kv and len(by) == want
     ]
@@ -129,10 +130,7 @@ def main() -> None:
     picks = {}
     for kv in ("bf16", "fp8"):
         cfg, score = best(speed, kv)
-        base = math.exp(
-            sum(map(math.log, speed[(kv, name(dict(waves=2.0)))][1].values()))
-            / (len(SHAPES) * len(NUM_DRAFT))
-        )
+        base = geomean(speed[(kv, name(dict(waves=2.0)))][1].values())
         print(f"best {kv} verify: {name(cfg)}: geomean x{score:.3f} of decode "
               f"(launcher default x{base:.3f})")  # fmt: skip
         picks[kv] = cfg

@@ -249,10 +249,11 @@ def _committed_verify_tilings() -> list[tuple[str, dict]]:
     return out
 
 
+VERIFY_TILINGS = _committed_verify_tilings()
+
+
 @pytest.mark.parametrize("num_draft", [5, 8], ids=lambda n: f"draft{n}")
-@pytest.mark.parametrize(
-    "label,tiling", _committed_verify_tilings(), ids=[t[0] for t in _committed_verify_tilings()]
-)
+@pytest.mark.parametrize("label,tiling", VERIFY_TILINGS, ids=[t[0] for t in VERIFY_TILINGS])
 def test_committed_verify_tilings(label, tiling, num_draft, report):
     """The target-verify tiling of each committed tuning file (what the atom backend launches
     for verify on that device), at the server's shape (32 q / 8 KV heads, page 16), split 1..8
