@@ -151,7 +151,7 @@ class Row:
 def row_key(d: dict) -> tuple:
     """What a row measured: a later run's row of the same key replaces it."""
     fields = ("model", "backend", "kv", "batch", "prompt", "output")
-    extra = ("spec", "block", "forced_accept", "draft_kv", "sparse", "weights", "pd")
+    extra = ("spec", "block", "forced_accept", "draft_kv", "sparse", "weights", "index", "pd")
     return tuple(d[f] for f in fields) + tuple(d.get(f) for f in extra)
 
 
@@ -624,23 +624,32 @@ def bench_m3(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
         weights = {"weights": "fp8"}
     rows: list[Row] = []
     for kind in args.m3_kinds.split(","):
-        path = m3.write_m3(root, args.m3_layers, kind == "dense", tiny=args.cpu_smoke)
-        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        srv_args = server_args(backend, workloads, args.output, args.cpu_smoke, 4)
-        label = f"{name}_{kind}-{args.m3_kv}-{args.m3_weights}"
-        with started(path, srv_args, label, env, args.logs, 256) as srv:
-            for batch, prompt in workloads:
-                ttft, log, client = timed_decode(srv, vocab, batch, prompt, args.output)
-                rate, n = log_decode_rate(log, batch)
-                rows.append(
-                    Row(name, "atom", args.m3_kv, batch, prompt, args.output,
-                        decode_tok_s=round(rate or client, 1), ttft_s=round(ttft, 3),
-                        byte_limit_tok_s=0.0, run=run_id, decode_tok_s_client=round(client, 1),
-                        log_samples=n,
-                        extra={"sparse": kind, "layers": args.m3_layers, **weights})
-                )  # fmt: skip
-                _print(rows[-1], f"{kind} {args.m3_kv} KV, {args.m3_weights} weights")
-        save(rows)
+        # the sparse server once per index-key dtype asked for (an explicit one is named on its
+        # rows: SGL_ATOM_M3_INDEX_DTYPE); the dense model has no index
+        for index in args.m3_index.split(",") if kind == "sparse" else ["auto"]:
+            path = m3.write_m3(root, args.m3_layers, kind == "dense", tiny=args.cpu_smoke)
+            vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+            srv_args = server_args(backend, workloads, args.output, args.cpu_smoke, 4)
+            named = {} if index == "auto" else {"index": index}
+            suffix = f"-{index}" if named else ""
+            label = f"{name}_{kind}-{args.m3_kv}-{args.m3_weights}{suffix}"
+            srv_env = {**env, "SGL_ATOM_M3_INDEX_DTYPE": index}
+            with started(path, srv_args, label, srv_env, args.logs, 256) as srv:
+                for batch, prompt in workloads:
+                    ttft, log, client = timed_decode(srv, vocab, batch, prompt, args.output)
+                    rate, n = log_decode_rate(log, batch)
+                    rows.append(
+                        Row(name, "atom", args.m3_kv, batch, prompt, args.output,
+                            decode_tok_s=round(rate or client, 1), ttft_s=round(ttft, 3),
+                            byte_limit_tok_s=0.0, run=run_id,
+                            decode_tok_s_client=round(client, 1), log_samples=n,
+                            extra={"sparse": kind, "layers": args.m3_layers, **weights, **named})
+                    )  # fmt: skip
+                    index_note = f", {index} index" if named else ""
+                    _print(
+                        rows[-1], f"{kind} {args.m3_kv} KV, {args.m3_weights} weights{index_note}"
+                    )
+            save(rows)
     return rows
 
 
@@ -873,6 +882,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--m3-layers", type=int, default=m3.DEFAULT_LAYERS, help="M3 layers")
     ap.add_argument("--m3-kv", choices=["bf16", "fp8"], default="bf16", help="M3 KV dtype")
     ap.add_argument(
+        "--m3-index",
+        default="auto",
+        help="index-key dtypes of the sparse M3 server, comma-separated (auto, bf16, fp8: "
+        "SGL_ATOM_M3_INDEX_DTYPE); one sparse server each",
+    )
+    ap.add_argument(
         "--m3-weights",
         choices=["bf16", "fp8"],
         default="bf16",
@@ -900,6 +915,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(server_profile.md in --out)",
     )
     args = ap.parse_args(argv)
+    if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8"}:
+        raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16 or fp8")
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
         raise SystemExit(f"--m3-kinds: {sorted(bad)} unknown; give sparse, dense or both")
     if args.quick:

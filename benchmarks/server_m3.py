@@ -93,8 +93,14 @@ def weights(r: dict) -> str:
     return r.get("weights") or "bf16"
 
 
+def index(r: dict) -> str:
+    """The sparse row's index-key dtype as named (``--m3-index``), "auto" where not; "-" for
+    the dense model, which has no index."""
+    return "-" if r.get("sparse") == "dense" else r.get("index") or "auto"
+
+
 def _key(r: dict) -> tuple:
-    return r["run"], weights(r), r["sparse"], r["batch"], r["prompt"]
+    return r["run"], weights(r), index(r), r["sparse"], r["batch"], r["prompt"]
 
 
 def derive(rows: list[dict]) -> dict[tuple, dict]:
@@ -103,21 +109,23 @@ def derive(rows: list[dict]) -> dict[tuple, dict]:
     the dense row of the same run, weights and workload."""
     m3 = {_key(r): r for r in rows if r.get("sparse")}
     out: dict[tuple, dict] = {key: {} for key in m3}
-    for (run, w, kind, batch, prompt), r in m3.items():
-        base = m3.get((run, w, kind, batch, BASE_PROMPT))
+    for (run, w, ix, kind, batch, prompt), r in m3.items():
+        base = m3.get((run, w, ix, kind, batch, BASE_PROMPT))
         if prompt == BASE_PROMPT or not base or not (r["decode_tok_s"] and base["decode_tok_s"]):
             continue
         step, step0 = batch / r["decode_tok_s"], batch / base["decode_tok_s"]
-        out[(run, w, kind, batch, prompt)] = {
+        out[(run, w, ix, kind, batch, prompt)] = {
             "attn_ms": (step - step0) * 1e3,
             "attn_share": max(0.0, 1 - step0 / step),
         }
-    for (run, w, kind, batch, prompt), d in out.items():
-        dense = m3.get((run, w, "dense", batch, prompt))
+    for (run, w, ix, kind, batch, prompt), d in out.items():
+        dense = m3.get((run, w, "-", "dense", batch, prompt))
         if kind != "sparse" or not dense or not dense["decode_tok_s"]:
             continue
-        d["vs_dense"] = m3[(run, w, kind, batch, prompt)]["decode_tok_s"] / dense["decode_tok_s"]
-        dense_attn = out[(run, w, "dense", batch, prompt)].get("attn_ms", 0.0)
+        d["vs_dense"] = (
+            m3[(run, w, ix, kind, batch, prompt)]["decode_tok_s"] / dense["decode_tok_s"]
+        )
+        dense_attn = out[(run, w, "-", "dense", batch, prompt)].get("attn_ms", 0.0)
         if d.get("attn_ms", 0.0) > 0 and dense_attn > 0:
             d["attn_vs_dense"] = dense_attn / d["attn_ms"]
     return out
@@ -138,6 +146,7 @@ def m3_table(rows: list[dict]) -> str:
             r["prompt"],
             r["run"],
             r["sparse"] == "sparse",
+            index(r),
         ),
     )
     out = []
@@ -148,7 +157,7 @@ def m3_table(rows: list[dict]) -> str:
                 r["model"],
                 weights(r),
                 f"{r['batch']}x{r['prompt']}",
-                f"{r['sparse']} {r['kv']}",
+                f"{r['sparse']} {r['kv']}" + (f", {r['index']} index" if r.get("index") else ""),
                 round(r["decode_tok_s"], 1),
                 f"{d['vs_dense']:.2f}" if "vs_dense" in d else "-",
                 f"{d['attn_ms']:.2f}" if "attn_ms" in d else "-",
@@ -186,14 +195,18 @@ def plot(rows: list[dict], path: Path) -> None:
     latest = {}
     for r in rows:
         if r.get("sparse") and r["prompt"] != BASE_PROMPT:
-            latest[(r["sparse"], r["batch"], r["prompt"])] = r
+            kind = r["sparse"] + (f" ({r['index']} index)" if r.get("index") else "")
+            latest[(kind, r["batch"], r["prompt"])] = r
     loads = sorted({(b, p) for _, b, p in latest})
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, kind in enumerate(("dense", "sparse")):
+    kinds = sorted({k for k, _, _ in latest})  # dense first, then the sparse servers
+    width = 0.8 / len(kinds)
+    for k, kind in enumerate(kinds):
         vals = [
             latest[(kind, b, p)]["decode_tok_s"] if (kind, b, p) in latest else 0 for b, p in loads
         ]
-        ax.bar([x + 0.4 * (k - 0.5) for x in range(len(loads))], vals, 0.4, label=kind)
+        ax.bar([x + width * (k - (len(kinds) - 1) / 2) for x in range(len(loads))], vals, width,
+               label=kind)  # fmt: skip
     ax.set_xticks(range(len(loads)), [f"{b}x{p // 1024}K" for b, p in loads])
     ax.set_yscale("log")
     ax.set_ylabel("decode tokens/s")

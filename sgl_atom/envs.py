@@ -74,6 +74,13 @@ SGL_ATOM_FP8_SCALE = EnvVar(
     "atom backend with fp8 KV: 'per_token' (one scale per token and KV head) or 'per_tensor' "
     "(upstream SGLang's store with scale 1.0, for A/B accuracy comparisons).",
 )
+SGL_ATOM_M3_INDEX_DTYPE = EnvVar(
+    "SGL_ATOM_M3_INDEX_DTYPE",
+    "auto",
+    "atom backend, sparse (MiniMax-M3-style) models: dtype of the index-key cache, 'auto' (fp8 "
+    "under fp8 KV, else bf16), 'bf16' or 'fp8' (e4m3 with one scale per token: half the bytes "
+    "the block scoring reads, under bf16 KV too).",
+)
 SGL_ATOM_DECODE_TUNING = EnvVar(
     "SGL_ATOM_DECODE_TUNING",
     "",
@@ -159,6 +166,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_STOP_GRACE,
     SGL_ATOM_VENV,
     SGL_ATOM_FP8_SCALE,
+    SGL_ATOM_M3_INDEX_DTYPE,
     SGL_ATOM_DECODE_TUNING,
     SGL_ATOM_LOG_LEVEL,
     SGL_ATOM_CPU_KERNELS,

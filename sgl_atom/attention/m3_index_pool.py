@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import envs
 from ..log import get_logger
 from .sparse import SparseConfig
 
@@ -106,9 +107,21 @@ def _sglang_index_bytes_per_token(kvc: Any) -> int:
     return len(k_only) * dim * torch._utils._element_size(dtype)
 
 
+INDEX_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
 def atom_index_dtype(fp8_kv: bool) -> torch.dtype:
-    """The atom backend's index-key dtype: fp8 under fp8 KV, else bf16."""
-    return torch.float8_e4m3fn if fp8_kv else torch.bfloat16
+    """The atom backend's index-key dtype: ``SGL_ATOM_M3_INDEX_DTYPE`` (``auto``: fp8 under fp8
+    KV, else bf16)."""
+    choice = envs.SGL_ATOM_M3_INDEX_DTYPE.get().strip().lower()
+    if choice == "auto":
+        return torch.float8_e4m3fn if fp8_kv else torch.bfloat16
+    if choice not in INDEX_DTYPES:
+        raise ValueError(
+            f"SGL_ATOM_M3_INDEX_DTYPE={choice!r}: use auto, bf16 or fp8 (the sparse index-key "
+            "cache's dtype)"
+        )
+    return INDEX_DTYPES[choice]
 
 
 def price_atom_index_cache(configurator: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:

@@ -69,26 +69,33 @@ def test_derived_attention_share_and_ratios_follow_the_step_times():
         _row("r1", "sparse", b, long, b / (fp8 * base_s + attn_s), weights="fp8"),
         _row("r1", "dense", b, m3.BASE_PROMPT, b / (fp8 * base_d), weights="fp8"),
         _row("r1", "dense", b, long, b / (fp8 * base_d + attn_d), weights="fp8"),
+        # the same run's sparse model with fp8 index keys: beside the same dense rows
+        _row("r1", "sparse", b, m3.BASE_PROMPT, b / base_s, index="fp8"),
+        _row("r1", "sparse", b, long, b / (base_s + attn_s / 2), index="fp8"),
     ]
     d = m3.derive(rows)
-    sparse = d[("r1", "bf16", "sparse", b, long)]
+    sparse = d[("r1", "bf16", "auto", "sparse", b, long)]
     assert sparse["attn_ms"] == pytest.approx(attn_s * 1e3)
     assert sparse["attn_share"] == pytest.approx(attn_s / (base_s + attn_s))
     assert sparse["vs_dense"] == pytest.approx((base_d + attn_d) / (base_s + attn_s))
     assert sparse["attn_vs_dense"] == pytest.approx(attn_d / attn_s)
-    dense = d[("r1", "bf16", "dense", b, long)]
+    dense = d[("r1", "bf16", "-", "dense", b, long)]
     assert dense["attn_share"] == pytest.approx(attn_d / (base_d + attn_d))
     assert "vs_dense" not in dense
     # the baseline itself: compared with the dense model, no attention part of its own
-    got = d[("r1", "bf16", "sparse", b, m3.BASE_PROMPT)]
+    got = d[("r1", "bf16", "auto", "sparse", b, m3.BASE_PROMPT)]
     assert got == {"vs_dense": pytest.approx(base_d / base_s)}
-    assert d[("r0", "bf16", "dense", b, long)] == {}  # no baseline in its run
-    quant = d[("r1", "fp8", "sparse", b, long)]
+    assert d[("r0", "bf16", "-", "dense", b, long)] == {}  # no baseline in its run
+    quant = d[("r1", "fp8", "auto", "sparse", b, long)]
     assert quant["attn_ms"] == pytest.approx(attn_s * 1e3)
     want = (fp8 * base_d + attn_d) / (fp8 * base_s + attn_s)
     assert quant["vs_dense"] == pytest.approx(want)
     assert quant["attn_vs_dense"] == pytest.approx(attn_d / attn_s)
+    fp8_index = d[("r1", "bf16", "fp8", "sparse", b, long)]
+    assert fp8_index["attn_ms"] == pytest.approx(attn_s * 1e3 / 2)
+    assert fp8_index["vs_dense"] == pytest.approx((base_d + attn_d) / (base_s + attn_s / 2))
     table = m3.m3_table(rows)
+    assert "sparse bf16, fp8 index" in table
     assert f"{attn_d / attn_s:.1f}" in table and "16x131072" in table
     assert f"{want:.2f}" in table and f"{(base_d + attn_d) / (base_s + attn_s):.2f}" in table
 

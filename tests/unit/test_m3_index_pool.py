@@ -116,6 +116,28 @@ def test_budget_prices_the_atom_cache_instead(hf_config, atom_backends, monkeypa
     assert untouched._cell_size == 10_000
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+@pytest.mark.parametrize("choice", ["auto", "bf16", "fp8", "FP8"])
+def test_index_dtype_choice_is_priced(hf_config, atom_backends, monkeypatch, kv_fp8, choice):
+    """SGL_ATOM_M3_INDEX_DTYPE picks the index keys' dtype whatever the KV dtype (auto follows
+    it), and the pool budget prices what the backend will allocate."""
+    monkeypatch.setenv("SGL_ATOM_M3_INDEX_DTYPE", choice)
+    want_fp8 = kv_fp8 if choice == "auto" else choice.lower() == "fp8"
+    want = torch.float8_e4m3fn if want_fp8 else torch.bfloat16
+    assert mip.atom_index_dtype(kv_fp8) == want
+    monkeypatch.setattr(mip, "_sglang_index_bytes_per_token", lambda kvc: 0)
+    conf = SimpleNamespace(_cell_size=1_000)
+    kv = torch.float8_e4m3fn if kv_fp8 else torch.bfloat16
+    assert mip.price_atom_index_cache(conf, _kvc(hf_config, kv_dtype=kv)) is conf
+    assert conf._cell_size == 1_000 + (2 * (128 + 4) if want_fp8 else 2 * 128 * 2)
+
+
+def test_an_unknown_index_dtype_is_refused(monkeypatch):
+    monkeypatch.setenv("SGL_ATOM_M3_INDEX_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="SGL_ATOM_M3_INDEX_DTYPE='fp16': use auto, bf16 or fp8"):
+        mip.atom_index_dtype(False)
+
+
 def test_index_values_or_hisparse_keep_sglang_pools(hf_config, atom_backends, monkeypatch):
     import copy
 
