@@ -134,7 +134,9 @@ def topk_select_kernel(
     BLOCK_K: tl.constexpr,
     DECODE: tl.constexpr,
 ):
-    """Program (row = token * KV_HEADS + head, sequence): TOPK argmax rounds, ties to lower."""
+    """Program (row = token * KV_HEADS + head, sequence): TOPK argmax rounds, ties to lower;
+    none where the token sees at most TOPK blocks (BLOCK_B covers the captured context, so a
+    short sequence in a long-context server would otherwise pay the full rounds)."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     seq_len = tl.load(SL + b)
@@ -153,14 +155,17 @@ def topk_select_kernel(
         x = tl.load(
             S + t * stride_st + (row % KV_HEADS) * stride_sh + j, mask=vis, other=float("-inf")
         )
-        forced = vis & ((j < INIT) | (j >= nvis - LOCAL))
-        x = tl.where(forced, float("inf"), tl.where(vis, x, float("-inf")))
-        sel = j < 0
-        for _ in range(TOPK):
-            best = tl.argmax(x, axis=0, tie_break_left=True)
-            hit = (j == best) & (x > float("-inf"))  # x[best] is the max: -inf once all are taken
-            sel = sel | hit
-            x = tl.where(j == best, float("-inf"), x)
+        if nvis <= TOPK:  # every visible block is kept: no rounds (short contexts)
+            sel = vis
+        else:
+            forced = vis & ((j < INIT) | (j >= nvis - LOCAL))
+            x = tl.where(forced, float("inf"), tl.where(vis, x, float("-inf")))
+            sel = j < 0
+            for _ in range(TOPK):
+                best = tl.argmax(x, axis=0, tie_break_left=True)
+                hit = (j == best) & (x > float("-inf"))  # x[best] is the max: -inf once taken
+                sel = sel | hit
+                x = tl.where(j == best, float("-inf"), x)
         rank = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         out = SEL + t * stride_selt + (row % KV_HEADS) * stride_selh
         tl.store(out + rank, j, mask=sel)

@@ -26,7 +26,9 @@ from ..kernels.paged_attention import (
     verify_fwd,
 )
 from ..kernels.sparse_attention import (
+    block_counts,
     index_write,
+    reference_block_counts,
     reference_block_scores,
     reference_index_write,
     reference_select_blocks,
@@ -50,6 +52,7 @@ class KernelOps:
     index_write: Callable
     select_blocks: Callable
     sparse_attn: Callable
+    block_counts: Callable
 
 
 def _ref_decode(q, kc, vc, pt, lens, page_size, sm_scale, out, k_scale=None, v_scale=None, **_):
@@ -173,6 +176,7 @@ TRITON = KernelOps(
     index_write,
     select_blocks,
     sparse_attention_fwd,
+    block_counts,
 )
 REFERENCE = KernelOps(
     "reference",
@@ -184,6 +188,7 @@ REFERENCE = KernelOps(
     reference_index_write,
     _ref_select,
     _ref_sparse,
+    reference_block_counts,
 )
 
 

@@ -204,11 +204,6 @@ class SparseStats:
     def __init__(self, device: torch.device | str):
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
 
-    def add(self, visible: torch.Tensor, attended: torch.Tensor) -> None:
-        self.counters[0] += 1
-        self.counters[1] += visible.sum()
-        self.counters[2] += attended.sum()
-
     def read(self) -> tuple[int, int, int]:
         steps, visible, attended = self.counters.tolist()
         return steps, visible, attended
@@ -344,21 +339,10 @@ class SparseAttention:
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _count(self, meta, count: torch.Tensor, decode: bool) -> None:
-        """Blocks visible vs attended, per (token, KV head), for the log and the tests."""
-        lens = meta.kv_lens.to(torch.int64)
-        if decode:
-            pos = lens - 1
-        else:
-            qo = meta.qo_indptr.to(torch.int64)
-            per_seq = qo[1:] - qo[:-1]
-            tokens = count.shape[0]  # qo[-1], known on the host
-            starts = torch.repeat_interleave(lens - per_seq, per_seq, output_size=tokens)
-            offs = torch.arange(tokens, device=lens.device) - torch.repeat_interleave(
-                qo[:-1], per_seq, output_size=tokens
-            )
-            pos = starts + offs
-        visible = (pos // SPARSE_BLOCK + 1) * count.shape[1]
-        self.stats.add(visible, count)
+        """Blocks visible vs attended, per (token, KV head), for the log and the tests: one
+        launch per layer step."""
+        qo = None if decode else meta.qo_indptr
+        self.backend.ops.block_counts(meta.kv_lens, count, self.stats.counters, qo)
 
 
 def _capturing() -> bool:

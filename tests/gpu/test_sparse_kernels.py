@@ -130,3 +130,10 @@ def test_gpu_all_blocks_equals_dense(mode):
         c.q, c.k, c.v, c.page_table, c.seq_lens, c.indptr, c.page_size, 0.2
     )
     assert_close_rel(run_attention(c, sel, cnt), dense, 1e-2, "sparse with all blocks vs dense")
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+@pytest.mark.parametrize("batch", [16, 1100])
+def test_gpu_block_counts(decode, batch):
+    """The sparse layers' one-launch block counters on the device, as on CPU."""
+    _u.test_block_counts_add_one_layer_step(decode, batch)

@@ -396,3 +396,41 @@ def test_reuse_without_a_scored_layer_is_an_error():
     holder.clear()
     with pytest.raises(RuntimeError, match="no earlier sparse layer scored"):
         holder.reuse(2, 3)
+
+
+# ---- visible vs attended block counters ------------------------------------------------------
+
+
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("batch", [3, 1100])
+def test_block_counts_add_one_layer_step(decode, batch):
+    """The one-launch counters against every new token's position enumerated in Python, added to
+    counters that already hold figures (batch 1100 and its counts run past one 1024 chunk)."""
+    g = torch.Generator().manual_seed(batch * 2 + decode)
+    heads = 3
+    lens = torch.randint(1, 900, (batch,), generator=g)
+    per_seq = (
+        torch.ones(batch, dtype=torch.int64)
+        if decode
+        else torch.randint(0, 6, (batch,), generator=g)
+    )
+    per_seq = torch.minimum(per_seq, lens)
+    tokens = int(per_seq.sum())
+    count = torch.randint(0, 17, (tokens, heads), generator=g, dtype=torch.int32)
+    qo = None if decode else torch.cat([torch.zeros(1, dtype=torch.int64), per_seq.cumsum(0)])
+    visible = sum(
+        (p // sa.SPARSE_BLOCK + 1) * heads
+        for n, q in zip(lens.tolist(), per_seq.tolist(), strict=True)
+        for p in range(n - q, n)
+    )
+    start = torch.randint(0, 10**9, (3,), generator=g)
+    want = start + torch.tensor([1, visible, int(count.sum())])
+    for fn in (sa.block_counts, sa.reference_block_counts):
+        counters = start.clone().to(device())
+        fn(
+            lens.to(torch.int32).to(device()),
+            count.to(device()),
+            counters,
+            None if qo is None else qo.to(torch.int32).to(device()),
+        )
+        assert counters.cpu().tolist() == want.tolist(), fn.__name__
