@@ -435,6 +435,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "selects on CUDA is read by no attention backend ATOM_DSPARK can run with",
     ),
     PrivateName(
+        "sglang.srt.speculative.ngram_worker._derive_tree_links",
+        "module global",
+        "sgl_atom.speculative.dspark.worker",
+        "the verify window's tree links from the staged host mask, for the grammar's vocabulary "
+        "mask of a batch with a grammar (as NGRAMWorker builds it)",
+    ),
+    PrivateName(
         f"{_NGRAM}._prepare_draft_tokens",
         "method",
         "sgl_atom.speculative.dspark.worker",

@@ -50,6 +50,21 @@ def _run(srv) -> tuple[list[list[int]], list[float]]:
     return ids, tpf
 
 
+# a grammar the chain never follows by itself: every accepted token must pass its mask
+REGEX = "[0-9]{20}"
+
+
+def _regex_run(srv) -> list[str]:
+    """Greedy outputs of two prompts under REGEX (SGLang's grammar backend); a failed request
+    is returned as its error, for the grammar test alone to report."""
+    params = {"max_new_tokens": 20, "temperature": 0.0, "regex": REGEX}
+    try:
+        outs = srv.post("/generate", {"text": PROMPTS[:2], "sampling_params": params})
+    except requests.HTTPError as e:
+        return [f"request failed: {e}"]
+    return [o["text"] for o in outs]
+
+
 @pytest.fixture(scope="module")
 def chain_target():
     """The tiny llama trained on a word chain, with the draft distilled against it."""
@@ -73,20 +88,23 @@ def _spec_run(label: str, srv: Server) -> tuple:
     after = _metrics(srv)
     _flush_cache(srv)  # a second run of the same prompts that re-drafts every token
     again, tpf_again = _run(srv)
+    regex = _regex_run(srv) if label == "bf16" else None
     srv.stop()
     assert again == ids, "greedy output is the same in a second run"
     return (
         label,
         ids,
         tpf,
-        {"log": srv.log_text(), "metrics": (before, after), "tpf_again": tpf_again},
-    )
+        {"log": srv.log_text(), "metrics": (before, after), "tpf_again": tpf_again,
+         "regex": regex},
+    )  # fmt: skip
 
 
 def _plain_run(label: str, srv: Server) -> tuple:
     ids, tpf = _run(srv)
+    regex = _regex_run(srv) if label == "plain" else None
     srv.stop()
-    return ids, tpf, srv.log_text()
+    return ids, tpf, srv.log_text(), regex
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +161,16 @@ def test_lossless(spec_run, baseline, report):
         f"(halves {_tpf(tpf[:8]):.2f} / {_tpf(tpf[8:]):.2f})"
     )
     assert ids == baseline
+
+
+@pytest.mark.parametrize("spec_run", ["bf16"], indirect=True)
+def test_grammar_constrains_every_accepted_token(spec_run, runs, report):
+    """A regex request: the verify keeps only tokens the grammar allows (its vocabulary mask
+    over the window), so the output matches and equals the plain server's constrained one."""
+    got, want = spec_run[3]["regex"], runs["plain"][3]
+    report(f"ATOM_DSPARK under regex {REGEX!r}: {got}")
+    assert all(re.fullmatch(REGEX, text) for text in want), want
+    assert got == want
 
 
 @pytest.mark.parametrize("spec_run", ["fp8", "fp8-tp2"], indirect=True)
@@ -227,7 +255,7 @@ def stale_run(runs) -> tuple:
 
 
 def test_broken_context_write_collapses_acceptance(stale_run, spec_run, baseline, report):
-    ids, tpf, log = stale_run
+    ids, tpf, log, _ = stale_run
     _, _, good_tpf, _ = spec_run
     assert "stale-context: decoded tokens get no draft context" in log
     good, bad = _tpf(good_tpf) - 1, _tpf(tpf) - 1  # accepted drafts per verify

@@ -175,8 +175,9 @@ def test_private_name_is_where_the_code_expects_it(p):
         try:
             found = hasattr(importlib.import_module(owner), attr)
         except ImportError:  # a module that needs a CUDA driver: its top-level assignment
-            text = Path(importlib.util.find_spec(owner).origin).read_text()
-            found = bool(re.search(rf"^{re.escape(attr)}\s*(:[^=\n]*)?=[^=]", text, re.M))
+            text = Path(importlib.util.find_spec(owner).origin).read_text()  # or function
+            name = re.escape(attr)
+            found = bool(re.search(rf"^({name}\s*(:[^=\n]*)?=[^=]|def {name}\()", text, re.M))
         assert found, f"{p.name} moved (used by {p.used_by})"
     elif p.kind == "method":
         assert f"def {attr}(" in _class_source(owner), f"{p.name} moved (used by {p.used_by})"

@@ -49,7 +49,11 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
-from sglang.srt.speculative.spec_utils import prepare_mamba_track_for_verify
+from sglang.srt.speculative.spec_utils import (
+    GrammarTree,
+    build_grammar_vocab_mask,
+    prepare_mamba_track_for_verify,
+)
 
 from ... import envs
 from ...log import get_logger
@@ -428,8 +432,9 @@ class AtomDSparkWorker(NGRAMWorker):
             capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         logits_output = result.logits_output
+        grammar_mask = self._grammar_mask(batch, verify_input) if batch.has_grammar else None
         predict, accept_lens, accept_index = eagle_sample(
-            verify_input, batch, logits_output, None, watermark_state=None
+            verify_input, batch, logits_output, grammar_mask, watermark_state=None
         )
         if self.forced_accept is not None:  # benchmarking: N drafts committed, whatever they are
             predict, accept_lens, accept_index = forced_acceptance(
@@ -454,6 +459,22 @@ class AtomDSparkWorker(NGRAMWorker):
         self._count(accept_lens - 1)
         batch.forward_mode = ForwardMode.DECODE
         return self._result(result, accept_tokens, accept_tokens, accept_lens, new_seq_lens)
+
+    def _grammar_mask(self, batch: ScheduleBatch, verify_input: NgramVerifyInput):
+        """The grammar's vocabulary mask over the verify window of a batch with a grammar, as
+        SGLang's n-gram worker builds it: from the chain mask and the drafts its host path
+        (``_prepare_draft_tokens``) staged, so verify keeps only tokens the grammar allows."""
+        mask, drafts = self.grammar_tree_host
+        bs = len(batch.reqs)
+        next_token, next_sibling = ngram_worker._derive_tree_links(mask, bs, self.draft_token_num)
+        tokens = torch.from_numpy(drafts).to(torch.int64).view(bs, -1)
+        return build_grammar_vocab_mask(
+            reqs=batch.reqs,
+            tree=GrammarTree.from_host(next_token, next_sibling, tokens),
+            sampling_info=batch.sampling_info,
+            device=verify_input.retrieve_next_token.device,
+            barrier=None,
+        )
 
     def _result(self, result, next_token_ids, accept_tokens, accept_lens, new_seq_lens):
         bs = new_seq_lens.shape[0]
