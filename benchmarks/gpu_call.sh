@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
+#   bash benchmarks/gpu_call.sh all|kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
 # Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
 # kernels, tune-decode, tune-verify, tune-kernels and ncu-decode need torch and Triton only: they
 # run on part 1 alone (the first call of the two-call routine).
@@ -43,6 +43,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 # reach of the signal), holding the card's memory for the next mode: stopped after each mode that
 # starts servers. The pattern does not match this script's own command line.
 stop_servers() { pkill -f '[s]glang.launch_server' && sleep 5; pkill -9 -f '[s]glang.launch_server'; true; }
+# the last lines of every tier server's log (kept when a run is cut), then no server left behind
+tier_tails() {
+  for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log"
+  stop_servers
+}
 kernel_tests() {
   python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log"
 }
@@ -56,10 +61,15 @@ case "$what" in
     [ -f /tmp/decode_tuning.json ] && export SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json
     timeout 150 bash "$0" ncu-decode > /dev/null 2>&1
     kernel_tests ;;
+  all) # the whole of tests/gpu in one pytest run: the server tier on one xdist worker, the kernel
+       # modules on the others (part 3 carries pytest-xdist), capped like the tier
+       timeout "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu -n 4 --dist loadfile "$@" 2>&1 \
+         | tee "$OUT/gpu_tests.log"
+       tier_tails ;;
   tier) # the pytest run is capped (TIER_TIMEOUT s) so the servers' log tails are kept when it is cut
         timeout "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu/test_server_tier.py "$@" 2>&1 \
           | tee "$OUT/gpu_server_tests.log"
-        for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log"; stop_servers ;;
+        tier_tails ;;
   bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
   bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
   bench-m3) python3 benchmarks/bench_server.py --m3 --output 64 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_m3.log"; stop_servers ;;
@@ -82,5 +92,5 @@ case "$what" in
   tune-verify) python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
 esac

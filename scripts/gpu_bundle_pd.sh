@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the third part of the offline GPU bundle: NIXL for CUDA 13 (the atom P/D transfer
-# backend on the lent H200), as .gpu/part-3.tar.xz beside the two SGLang parts that
+# backend on the lent H200) and pytest-xdist (tests/gpu's kernel modules beside the server tier), as .gpu/part-3.tar.xz beside the two SGLang parts that
 # ../shared/gpu/bundle.sh writes. device-env.sh unpacks every part-*.tar.xz it is given into
 # /tmp/site, so part 3 travels in a call of its own on a warm machine (after parts 1 and 2):
 #   bash scripts/gpu_bundle_pd.sh .gpu
@@ -13,8 +13,9 @@ OUT=${1:?usage: gpu_bundle_pd.sh OUTDIR}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
-echo "[bundle-pd] 1/3 downloading nixl==1.5.1 and nixl-cu13==1.5.1 for Python 3.12"
-python3 -m pip download -q --no-deps $PLAT -d "$W/whl" nixl==1.5.1 nixl-cu13==1.5.1 2>&1 \
+echo "[bundle-pd] 1/3 downloading nixl==1.5.1, nixl-cu13==1.5.1 and pytest-xdist for Python 3.12"
+python3 -m pip download -q --no-deps $PLAT -d "$W/whl" nixl==1.5.1 nixl-cu13==1.5.1 \
+  pytest-xdist==3.8.0 execnet==2.1.2 2>&1 \
   | grep -v "^WARNING: Location" || true
 mkdir -p "$W/site"
 for w in "$W"/whl/*.whl; do (cd "$W/site" && python3 -m zipfile -e "$w" .); done

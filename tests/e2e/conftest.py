@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from e2e_utils import BASE_ARGS, pytest_terminal_summary, report  # noqa: F401 (hook, fixture)
+from e2e_utils import BASE_ARGS, pytest_runtest_logreport, pytest_terminal_summary, report  # noqa: F401 (hook, fixture)
 
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.testing import tiny

@@ -158,12 +158,19 @@ def assert_bf16_agreement(ref: dict, got: dict, prompt_ids, label: str) -> str:
 # ---- measured figures, printed at the end of a run (conftest imports these) -------------
 
 _REPORT: list[str] = []
+_FIGURE = "sgl_atom_figure"
 
 
-@pytest.fixture(scope="session")
-def report():
-    """Record a measured figure; all of them are printed at the end of the run."""
-    return _REPORT.append
+@pytest.fixture
+def report(request):
+    """Record a measured figure; all of them are printed at the end of the run. Kept in the
+    test's ``user_properties``, which pytest-xdist carries from its workers to the run's end."""
+    return lambda line: request.node.user_properties.append((_FIGURE, str(line)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # the test's properties are complete by then
+        _REPORT.extend(v for k, v in report.user_properties if k == _FIGURE)
 
 
 def pytest_terminal_summary(terminalreporter):

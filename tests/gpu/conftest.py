@@ -14,7 +14,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "e2e"))  # e2e_utils: the same helpers
-from e2e_utils import pytest_terminal_summary, report  # noqa: E402, F401 (hook, fixture)
+from e2e_utils import pytest_runtest_logreport, pytest_terminal_summary, report  # noqa: E402, F401 (hook, fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
