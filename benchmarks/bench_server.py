@@ -23,19 +23,20 @@ not measure (other models, later suites) are kept, rows it measured are replaced
 `--spec` measures ATOM_DSPARK instead (`server_dspark.py`): per model, a plain atom bf16 server
 (rows with "spec": "none") and then one server per draft block k and draft KV dtype, a random
 draft of real shape under `--atom-dspark-forced-accept N` (rows with "spec": "dspark",
-"forced_accept", "block", "draft_kv", "accept_len", "step_ratio": one draft+verify step over one
-plain decode step of the same run). `--serial-plain` adds the plain decode without overlap
-scheduling (rows with "spec": "none-serial"; DSpark rows then carry "step_ratio_serial", the step
-over that one), since ATOM_DSPARK runs without overlap and the plain server with it. Their table
-is the second one in server.md. `--spec --spec-chain` measures real acceptance instead: the
-word-chain llama target and its distilled draft (trained weights, prompts of words), plain and
-then ATOM_DSPARK per `--draft-kv`, at `--chain-batches` (1 and 32): decode tokens/s (the batch
-decoded to N and to 2N new tokens, the rate from the difference of the two times: short runs of
-a small model barely fill SGLang's log interval), accept length (SGLang's log), the speedup
-over plain and how many greedy outputs (2N tokens) equal plain's (rows with "spec":
-"chain-none" / "chain-dspark"). `--cpu-smoke`
-runs that suite on CPU (SGLang's CPU engine through sgl_atom.launch_server, kernels' torch
-references) on a tiny shape: it checks the code path, its figures mean nothing.
+"forced_accept", "block", "draft_kv", "overlap", "accept_len", "step_ratio": one draft+verify
+step over one plain decode step of the same run). `--spec-overlap on,off` runs every DSpark
+server under SGLang's overlap scheduling (its default, "overlap": "on") and again with
+`--disable-overlap-schedule` ("off"); `--serial-plain` adds the plain decode without overlap
+(rows with "spec": "none-serial"; DSpark rows then carry "step_ratio_serial", the step over that
+one). Their table is the second one in server.md. `--spec --spec-chain` measures real
+acceptance instead: the word-chain llama target and its distilled draft (trained weights,
+prompts of words), plain and then ATOM_DSPARK per `--draft-kv`, at `--chain-batches` (1 and
+32): decode tokens/s (the batch decoded to N and to 2N new tokens, the rate from the difference
+of the two times: short runs of a small model barely fill SGLang's log interval), accept length
+(SGLang's log), the speedup over plain and how many greedy outputs (2N tokens) equal plain's
+(rows with "spec": "chain-none" / "chain-dspark", per `--spec-overlap` as above).
+`--cpu-smoke` runs that suite on CPU (SGLang's CPU engine through sgl_atom.launch_server,
+kernels' torch references) on a tiny shape: it checks the code path, its figures mean nothing.
 
 `--m3` measures sgl_atom's MiniMax-M3 class instead (`server_m3.py`): its sparse layers, then
 the same model all dense, at 32K/64K/128K context and batch 1 and 16 (rows with "sparse":
@@ -151,7 +152,8 @@ class Row:
 def row_key(d: dict) -> tuple:
     """What a row measured: a later run's row of the same key replaces it."""
     fields = ("model", "backend", "kv", "batch", "prompt", "output")
-    extra = ("spec", "block", "forced_accept", "draft_kv", "sparse", "weights", "index", "pd")
+    extra = ("spec", "block", "forced_accept", "draft_kv", "overlap", "sparse", "weights", "index",
+             "pd")  # fmt: skip
     return tuple(d[f] for f in fields) + tuple(d.get(f) for f in extra)
 
 
@@ -377,7 +379,13 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, e
 
 
 def run_spec_workload(
-    srv, plain: Row, block: int, forced: int, draft_kv: str, serial: Row | None = None
+    srv,
+    plain: Row,
+    block: int,
+    forced: int,
+    draft_kv: str,
+    serial: Row | None = None,
+    overlap: str = "on",
 ) -> Row:
     """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s (and
     over ``serial``'s, the plain decode without overlap scheduling, when measured)."""
@@ -390,7 +398,8 @@ def run_spec_workload(
     if abs(accept - (forced + 1)) > 0.05:
         print(f"[bench_server] WARNING: accept len {accept:.2f}, forced {forced + 1}", flush=True)
     extra = dict(spec="dspark", block=block, forced_accept=forced, draft_kv=draft_kv)
-    extra |= dict(accept_len=round(accept, 2), vs_plain=round(rate / plain.decode_tok_s, 2))
+    extra |= dict(overlap=overlap, accept_len=round(accept, 2))
+    extra["vs_plain"] = round(rate / plain.decode_tok_s, 2)
     extra["step_ratio"] = round(dspark.step_ratio(rate, accept, plain.decode_tok_s), 3)
     if serial is not None:
         extra["step_ratio_serial"] = round(dspark.step_ratio(rate, accept, serial.decode_tok_s), 3)
@@ -498,11 +507,11 @@ def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> li
 
 
 def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu,
-               save=lambda rows: None, serial=False):  # fmt: skip
+               save=lambda rows: None, serial=False, overlaps=("on",)):  # fmt: skip
     """The plain atom bf16 decode of ``model`` (with ``serial``, once more without overlap
-    scheduling, as ATOM_DSPARK runs), then ATOM_DSPARK with a random draft of real shape per
-    (block k, forced N) and draft KV dtype, each server after the other; ``save`` gets the rows
-    so far after each server."""
+    scheduling), then ATOM_DSPARK with a random draft of real shape per (block k, forced N),
+    draft KV dtype and overlap mode (``overlaps``: "on", SGLang's default, and/or "off"), each
+    server after the other; ``save`` gets the rows so far after each server."""
     path = write_model(model, root)
     drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
     env = CPU_ENV if cpu else {}
@@ -526,13 +535,13 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
         rows += plains[kind]
         save(rows)
     plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
-    for (k, n), kv in itertools.product(blocks, draft_kvs):
-        name = f"{model}_dspark-k{k}-n{n}-{kv}"
-        spec = dspark.spec_server_args(drafts[k], kv, n)
+    for (k, n), kv, ov in itertools.product(blocks, draft_kvs, overlaps):
+        name = f"{model}_dspark-k{k}-n{n}-{kv}" + ("" if ov == "on" else "-no-overlap")
+        spec = [*dspark.spec_server_args(drafts[k], kv, n), *dspark.OVERLAP_FLAGS[ov]]
         args = server_args([*base, *spec], workloads, output, cpu, interval)
         with started(path, args, name, {**env, **dspark.SPEC_ENV}, logs, warm) as srv:
             for p, q in zip(plain, serials, strict=True):
-                rows.append(run_spec_workload(srv, p, k, n, kv, q))
+                rows.append(run_spec_workload(srv, p, k, n, kv, q, ov))
                 _print(rows[-1], name.partition("_")[2])
         save(rows)
     return rows
@@ -556,16 +565,20 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
     loads = [(b, prompt) for b in batches]
     env = {**(CPU_ENV if args.cpu_smoke else {}), **dspark.SPEC_ENV}
     base = [*BACKENDS["atom-bf16"][2], "--max-running-requests", str(max(batches))]
-    servers = {"none": []}
-    for kv in args.draft_kv.split(","):
-        servers[kv] = dspark.spec_server_args(DSPARK_CHAIN, kv, None)
+    servers = {("none", "on"): []}
+    for kv, ov in itertools.product(args.draft_kv.split(","), args.spec_overlap.split(",")):
+        servers[(kv, ov)] = [
+            *dspark.spec_server_args(DSPARK_CHAIN, kv, None),
+            *dspark.OVERLAP_FLAGS[ov],
+        ]
     plain: dict[int, Row] = {}
     outputs: dict[int, list] = {}
     rows: list[Row] = []
-    for kind, spec in servers.items():
+    for (kind, ov), spec in servers.items():
         # the differential rate decodes 2N new tokens: the context must hold them
         srv_args = server_args([*base, *spec], loads, 2 * output, args.cpu_smoke, 1, dummy=False)
         label = f"llama-chain_{'plain' if kind == 'none' else 'dspark-' + kind}"
+        label += "" if ov == "on" else "-no-overlap"
         with started(target, srv_args, label, env, args.logs, 16) as srv:
             for batch in batches:
                 ids = dspark.chain_prompts(target, batch, prompt, seed=batch)
@@ -580,7 +593,8 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
                     outputs[batch] = outs
                 else:
                     same = sum(a == b for a, b in zip(outs, outputs[batch], strict=True))
-                    extra |= dict(draft_kv=kind, accept_len=round(accept, 2), same=same)
+                    extra |= dict(draft_kv=kind, overlap=ov, accept_len=round(accept, 2))
+                    extra["same"] = same
                     plain_rate = plain[batch].decode_tok_s
                     extra["vs_plain"] = round(rate / plain_rate, 2) if plain_rate else 0
                 row = Row("llama-chain", "atom", "bf16", batch, prompt, output,
@@ -859,8 +873,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--serial-plain",
         action="store_true",
-        help="--spec: also the plain decode with --disable-overlap-schedule (ATOM_DSPARK runs "
-        "without overlap): splits a step's cost into scheduling and draft+verify",
+        help="--spec: also the plain decode with --disable-overlap-schedule: splits a step's "
+        "cost into scheduling and draft+verify",
+    )
+    ap.add_argument(
+        "--spec-overlap",
+        default="on",
+        help="--spec, --spec-chain: the DSpark servers under SGLang's overlap scheduling (on), "
+        "with --disable-overlap-schedule (off), or both (on,off)",
     )
     ap.add_argument(
         "--cpu-smoke",
@@ -915,6 +935,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(server_profile.md in --out)",
     )
     args = ap.parse_args(argv)
+    if bad := set(args.spec_overlap.split(",")) - set(dspark.OVERLAP_FLAGS):
+        raise SystemExit(f"--spec-overlap: {sorted(bad)} unknown; give on, off or on,off")
     if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8"}:
         raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16 or fp8")
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
@@ -963,6 +985,7 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
                 rows += bench_spec(
                     model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
                     args.cpu_smoke, lambda new, done=done: save(done + new), args.serial_plain,
+                    args.spec_overlap.split(","),
                 )  # fmt: skip
                 continue
             for name in args.backends.split(","):

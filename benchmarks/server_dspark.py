@@ -32,6 +32,15 @@ SPEC_RE = re.compile(
 )
 # rows of the plain decode without overlap scheduling (`bench_server.py --serial-plain`)
 SERIAL = "none-serial"
+# a DSpark server under SGLang's overlap scheduling (its default) or without it
+OVERLAP_FLAGS = {"on": [], "off": ["--disable-overlap-schedule"]}
+
+
+def overlap_note(r: dict) -> str:
+    """ ", no overlap" for a DSpark row measured without overlap scheduling."""
+    return ", no overlap" if r.get("overlap") == "off" else ""
+
+
 STEP_TARGET = 1.35  # issue 14: one draft+verify step <= 1.35x a plain decode step
 
 
@@ -181,7 +190,9 @@ def chain_table(rows: list[dict]) -> str:
     from common import format_table
 
     mine = [r for r in rows if r.get("spec") in ("chain-none", "chain-dspark")]
-    mine.sort(key=lambda r: (r["batch"], r["run"], r["spec"], r.get("draft_kv") or ""))
+    mine.sort(
+        key=lambda r: (r["batch"], r["run"], r["spec"], r.get("draft_kv") or "", overlap_note(r))
+    )
     out = []
     for r in mine:
         spec = r["spec"] == "chain-dspark"
@@ -190,7 +201,7 @@ def chain_table(rows: list[dict]) -> str:
             [
                 f"{r['batch']}x{r['prompt']}",
                 f"{r['output']} / {2 * r['output']}" if r.get("rate_method") else r["output"],
-                f"ATOM_DSPARK, {r['draft_kv']} pool" if spec else "plain",
+                f"ATOM_DSPARK, {r['draft_kv']} pool{overlap_note(r)}" if spec else "plain",
                 r.get("accept_len", "-") if spec else 1,
                 round(r["decode_tok_s"]),
                 round(r["log_tok_s"]) if "log_tok_s" in r else "-",
@@ -248,6 +259,7 @@ def spec_table(rows: list[dict]) -> str:
         kinds[r["spec"]],
         r.get("block") or 0,
         r.get("draft_kv") or "",
+        overlap_note(r),
     )
     out = []
     for r in sorted(mine, key=order):
@@ -257,7 +269,7 @@ def spec_table(rows: list[dict]) -> str:
             [
                 r["model"],
                 f"{r['batch']}x{r['prompt']}",
-                f"k={r['block']} forced {r['forced_accept']}" if spec else label,
+                f"k={r['block']} forced {r['forced_accept']}{overlap_note(r)}" if spec else label,
                 r["draft_kv"] if spec else "-",
                 r.get("accept_len", "-") if spec else 1,
                 round(r["decode_tok_s"]),
@@ -300,6 +312,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     labels = [
         f"{r['model']}\n{r['batch']}x{r['prompt'] // 1024}K k={r['block']} {r['draft_kv']}"
+        + overlap_note(r)
         for r in forced
     ]
     x = range(len(forced))
@@ -315,14 +328,15 @@ def plot(rows: list[dict], path: Path) -> None:
     left.set_ylabel("draft+verify step / plain step")
     left.set_title("8B shape, forced acceptance")
     left.legend(fontsize=8)
-    kvs = sorted({r["draft_kv"] for r in chain})
+    kvs = sorted({r["draft_kv"] + overlap_note(r) for r in chain})
     batches = sorted({r["batch"] for r in chain})
+    width = 0.8 / len(kvs) if kvs else 0.4
     for k, kv in enumerate(kvs):
-        got = {r["batch"]: r["vs_plain"] for r in chain if r["draft_kv"] == kv}
+        got = {r["batch"]: r["vs_plain"] for r in chain if r["draft_kv"] + overlap_note(r) == kv}
         right.bar(
-            [i + 0.4 * (k - (len(kvs) - 1) / 2) for i in range(len(batches))],
+            [i + width * (k - (len(kvs) - 1) / 2) for i in range(len(batches))],
             [got.get(b, 0) for b in batches],
-            0.4,
+            width,
             label=f"{kv} draft KV",
         )
     for i, b in enumerate(batches):

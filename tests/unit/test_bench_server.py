@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -317,3 +318,35 @@ def test_chain_rows_stay_within_the_targets_trained_length():
     n = dspark.chain_output(128)
     assert dspark.CHAIN_PROMPT + 2 * n <= dspark.CHAIN_TRAINED and n == 48
     assert dspark.chain_output(16) == 16 and dspark.chain_output(0) == 1
+
+
+def test_dspark_rows_with_and_without_overlap_are_kept_apart(tmp_path):
+    """``--spec-overlap on,off``: a DSpark row measured without overlap scheduling is its own
+    configuration (a later run of the other mode keeps it), and both tables name it."""
+    import bench_server
+    import server_dspark as dspark
+
+    base = dict(model="llama3-8b", backend="atom", kv="bf16", batch=16, prompt=4096, output=128,
+                run="r", ttft_s=0.1, byte_limit_tok_s=0.0)  # fmt: skip
+    forced = dict(base, spec="dspark", block=4, forced_accept=3, draft_kv="fp8", accept_len=4.0,
+                  vs_plain=2.0, step_ratio=1.5)  # fmt: skip
+    off, on = dict(forced, overlap="off", decode_tok_s=900.0), dict(forced, overlap="on")
+    assert bench_server.row_key(off) != bench_server.row_key(dict(on, decode_tok_s=1.0))
+    (tmp_path / "server.json").write_text(json.dumps({"rows": [off]}))
+    fields = {k: on[k] for k in ("model", "backend", "kv", "batch", "prompt", "output", "run")}
+    extra = {k: v for k, v in on.items() if k not in fields and k != "ttft_s"}
+    new = bench_server.Row(
+        **fields, decode_tok_s=1200.0, ttft_s=0.1, byte_limit_tok_s=0.0, extra=extra
+    )
+    rows = bench_server.merge(tmp_path / "server.json", {}, [new])["rows"]
+    assert sorted(r["decode_tok_s"] for r in rows) == [900.0, 1200.0]
+    table = dspark.spec_table([dict(base, spec="none", decode_tok_s=600.0), *rows])
+    assert table.count("k=4 forced 3, no overlap") == 1 and table.count("k=4 forced 3 ") == 1
+    chain = dict(base, spec="chain-dspark", prompt=64, draft_kv="bf16", accept_len=4.9,
+                 decode_tok_s=2e4, vs_plain=2.2, same=16)  # fmt: skip
+    table = dspark.chain_table([chain, dict(chain, overlap="off")])
+    assert table.count("ATOM_DSPARK, bf16 pool, no overlap") == 1
+    assert len(re.findall(r"ATOM_DSPARK, bf16 pool +\|", table)) == 1
+    with pytest.raises(SystemExit, match="--spec-overlap"):
+        bench_server.parse_args(["--spec", "--spec-overlap", "on,sometimes"])
+    assert bench_server.parse_args(["--spec", "--spec-overlap", "on,off"]).spec_overlap == "on,off"
