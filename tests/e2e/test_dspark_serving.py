@@ -74,11 +74,16 @@ def chain_target():
 # "fp8-tp2": the target at TP2 (its embedding and LM head gathered for the draft, which runs
 # whole on both ranks and proposes the same tokens on each)
 SPEC_LABELS = ["bf16", "fp8", "fp8-tp2"]
+# under SGLang's overlap scheduling (its default) but for these, which run synchronously: the
+# same greedy outputs both ways
+SYNC_LABELS = {"fp8-tp2"}
+OVERLAP_LINE = re.compile(r"ATOM_DSPARK: overlap scheduling (on|off)")
 
 
 def _spec_args(label: str) -> list[str]:
     dtype, _, tp = label.partition("-tp")
-    return [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1"]
+    sync = ["--disable-overlap-schedule"] if label in SYNC_LABELS else []
+    return [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1", *sync]
 
 
 def _spec_run(label: str, srv: Server) -> tuple:
@@ -153,10 +158,14 @@ def _tpf(tpf: list[float]) -> float:
 
 
 def test_lossless(spec_run, baseline, report):
-    dtype, ids, tpf, _ = spec_run
+    dtype, ids, tpf, out = spec_run
     same = sum(a == b for a, b in zip(ids, baseline, strict=True))
+    overlap = OVERLAP_LINE.search(out["log"])
+    assert overlap, "the worker logs whether it runs under overlap scheduling"
+    assert overlap.group(1) == ("off" if dtype in SYNC_LABELS else "on")
     report(
-        f"ATOM_DSPARK draft KV {dtype}: {same}/{len(ids)} greedy outputs identical to no "
+        f"ATOM_DSPARK draft KV {dtype}, overlap scheduling {overlap.group(1)}: "
+        f"{same}/{len(ids)} greedy outputs identical to no "
         f"speculation ({MAX_NEW} tokens each); tokens/forward {_tpf(tpf):.2f} "
         f"(halves {_tpf(tpf[:8]):.2f} / {_tpf(tpf[8:]):.2f})"
     )

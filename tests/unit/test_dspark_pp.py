@@ -91,6 +91,25 @@ def test_pp_prefill_is_accepted():
     assert args.speculative_num_draft_tokens == 5 and args.disable_overlap_schedule
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_overlap_schedule_is_kept_as_given_without_pp(given):
+    """SGLang's default (overlap on) or --disable-overlap-schedule, both left alone at PP 1;
+    under PP (the prefill above) it is off."""
+    args = _server_args(pp_size=1, disaggregation_mode="null", disable_overlap_schedule=given)
+    _algo().handle_server_args(args)
+    assert args.disable_overlap_schedule is given
+
+
+def test_registered_with_overlap_support():
+    """SGLang refuses an algorithm without it when overlap scheduling is on (its default)."""
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from sgl_atom.speculative.dspark.algorithm import register
+
+    register()
+    assert get_spec(NAME).supports_overlap
+
+
 def test_pp_with_sglang_pp_spec_relay_is_refused(monkeypatch):
     monkeypatch.setenv("SGLANG_ENABLE_PP_SPEC", "1")
     with pytest.raises(ValueError, match="unset SGLANG_ENABLE_PP_SPEC"):

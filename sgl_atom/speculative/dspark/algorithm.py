@@ -1,8 +1,9 @@
 """``--speculative-algorithm ATOM_DSPARK``: registration with SGLang and argument handling.
 
 Registered through ``SpeculativeAlgorithm.register`` under a name distinct from SGLang's own
-``DSPARK``. The worker verifies its block as a chain through SGLang's tree-verify path, the one
-the NGRAM worker uses, so the spec class answers ``is_ngram()`` for the scheduler's verify and
+``DSPARK``, with overlap scheduling supported (SGLang's default; off under ``--pp-size`` > 1).
+The worker verifies its block as a chain through SGLang's tree-verify path, the one the NGRAM
+worker uses, so the spec class answers ``is_ngram()`` for the scheduler's verify and
 relay branches; it writes no draft tokens into the target's KV (``has_draft_kv`` False).
 """
 
@@ -91,7 +92,7 @@ class AtomDSparkAlgo(CustomSpecAlgo):
             accept_tokens=accept.flatten(),
             accept_lens=torch.ones(bs, dtype=torch.int32, device=device),
         )
-        if batch.enable_overlap:  # not with this algorithm today; kept for SGLang's relay
+        if batch.enable_overlap:  # the first step's accepted token goes through the relay
             spec_info.future_indices = batch.req_pool_indices
             future_map.publish(spec_info.future_indices, batch.seq_lens)
             future_map.stash(spec_info.future_indices, RelayPayload.from_ngram(spec_info))
@@ -119,7 +120,8 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         server_args.speculative_num_draft_tokens = k + 1
         server_args.speculative_num_steps = k
         server_args.speculative_eagle_topk = 1
-        server_args.disable_overlap_schedule = True
+        if server_args.pp_size > 1:  # SGLang runs PP without overlap; say so in the arguments
+            server_args.disable_overlap_schedule = True
         server_args.enable_mixed_chunk = False
 
 
@@ -158,5 +160,7 @@ def register() -> str:
     from . import forced_accept
 
     if get_spec(NAME) is None:
-        SpeculativeAlgorithm.register(NAME, spec_class=AtomDSparkAlgo)(_worker_factory)
+        SpeculativeAlgorithm.register(NAME, spec_class=AtomDSparkAlgo, supports_overlap=True)(
+            _worker_factory
+        )
     return ", ".join([f"speculative_algorithm:{NAME}", *forced_accept.register()])

@@ -1,6 +1,7 @@
 """The ``ATOM_DSPARK`` speculative worker: DSpark drafting over SGLang's chain verify.
 
-Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
+Per scheduler step (with SGLang's overlap scheduling, its default, or synchronously under
+``--disable-overlap-schedule``):
 
 * **extend** (prefill, every chunked-prefill chunk): the target runs with its tap layers
   captured; the draft writes its context K/V for every token of the chunk into its own pool.
@@ -9,12 +10,23 @@ Per scheduler step (synchronous; overlap scheduling is off for this algorithm):
   verifies ``[anchor, d_0 .. d_{k-1}]`` as a chain through SGLang's tree-verify path (the
   NGRAM worker's, with a lower-triangular mask); the longest matching prefix plus the target's
   own next token is committed, and the draft writes the context K/V of the committed rows from
-  the verify pass's taps. The verify input is built on the device from the draft's tokens:
-  nothing waits for the draft pass between its launch and the verify's (the n-gram path reads
-  its drafts on the host; it still serves a batch with a grammar, whose mask is built there).
+  the verify pass's taps (on CUDA a replayed graph too). The verify input is built on the
+  device from the draft's tokens: nothing waits for the draft pass between its launch and the
+  verify's (the n-gram path reads its drafts on the host; it still serves a batch with a
+  grammar, whose mask is built there).
 
 With ``--atom-dspark-forced-accept N`` (benchmarking only, :mod:`.forced_accept`) every verify
 commits N drafts plus one target token per request, whatever the drafts were.
+
+Under overlap scheduling the scheduler prepares step t + 1 while step t runs, and processes
+step t's results while step t + 1 runs: ``req.output_ids`` lag one step behind. So nothing here
+reads them. A step's anchors come from the previous step's accepted tokens on the device (the
+``NgramVerifyInput`` SGLang relays through its FutureMap, or installs directly when
+synchronous), the committed rows' slots from the verify's own ``out_cache_loc``, and the
+acceptance counts from ``on_verify_complete_cpu``, which the result processor calls with them
+already on the host. The new sequence lengths are published (``on_publish``) as soon as the
+verify is sampled, before the draft's context write, so the host's next preparation overlaps
+that write. Under ``--pp-size`` > 1 (a P/D prefill) overlap is off, as SGLang has it for PP.
 
 Writing context is separate from proposing: a step that never proposes (a P/D producer) still
 keeps the draft's context complete. Acceptance and tokens per forward go to the log every
@@ -54,6 +66,7 @@ from sglang.srt.speculative.spec_utils import (
     build_grammar_vocab_mask,
     prepare_mamba_track_for_verify,
 )
+from sglang.srt.utils.common import async_h2d
 
 from ... import envs
 from ...log import get_logger
@@ -97,7 +110,7 @@ class AtomDSparkWorker(NGRAMWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
         BaseSpecWorker.__init__(self)
         self.server_args = server_args
-        self.enable_overlap = False
+        self.enable_overlap = not get_schedule().disable_overlap_schedule
         self._target_worker = target_worker
         self.model_runner = target_worker.model_runner
         self.page_size = get_schedule().page_size
@@ -112,7 +125,8 @@ class AtomDSparkWorker(NGRAMWorker):
         path, pp = get_spec().speculative_draft_model_path, get_parallel()
         self.pool: DraftKVPool | None = None
         self.graphs: DraftGraphs | None = None
-        self.passes = {"replayed": 0, "eager": 0}  # draft passes since the last log line
+        # draft passes and context writes since the last log line
+        self.passes = {"replayed": 0, "eager": 0, "writes replayed": 0, "writes eager": 0}
         self.forced_accept = forced_accept(server_args)
         if self.forced_accept is not None:
             logger.warning(WARNING, FLAG, self.forced_accept, self.forced_accept)
@@ -143,6 +157,10 @@ class AtomDSparkWorker(NGRAMWorker):
         if self.stale_context:
             name = envs.SGL_ATOM_DSPARK_FAULT.name
             logger.warning("%s=stale-context: decoded tokens get no draft context", name)
+        logger.info(
+            "ATOM_DSPARK: overlap scheduling %s",
+            "on" if self.enable_overlap else "off (--disable-overlap-schedule or --pp-size > 1)",
+        )
 
     # ------------------------------------------------------------------ pools
 
@@ -207,7 +225,10 @@ class AtomDSparkWorker(NGRAMWorker):
             logger.info("%s=0: the draft runs eagerly", envs.SGL_ATOM_DSPARK_DRAFT_GRAPHS.name)
             return
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        dpass = DraftPass(self.draft, self.pool, self.embed, self.lm_head, req_to_token, max(sizes))
+        dpass = DraftPass(
+            self.draft, self.pool, self.embed, self.lm_head, req_to_token, max(sizes),
+            self.draft_token_num,
+        )  # fmt: skip
         self.graphs = capture(dpass, sizes)
 
     def clear_cache_pool(self) -> None:
@@ -233,9 +254,11 @@ class AtomDSparkWorker(NGRAMWorker):
             self.pool.write(layer, slots, k, v)
 
     def _write_extend_context(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
+        """The chunk's rows from the host's lengths, copied through pinned memory: a copy from
+        pageable memory would first wait for the stream's queued work."""
         total = sum(batch.extend_lens)
-        lens = torch.as_tensor(batch.extend_lens, device=self.device)
-        starts = torch.as_tensor(batch.prefix_lens, device=self.device)
+        lens = async_h2d(batch.extend_lens, dtype=torch.int64, device=self.device)
+        starts = async_h2d(batch.prefix_lens, dtype=torch.int64, device=self.device)
         offsets = torch.arange(total, device=self.device)
         first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
         positions = torch.repeat_interleave(starts, lens, output_size=total) + offsets - first
@@ -244,10 +267,17 @@ class AtomDSparkWorker(NGRAMWorker):
         self.write_context(taps, positions, batch.out_cache_loc, bound)
 
     def _write_verify_context(
-        self, batch: ScheduleBatch, taps: torch.Tensor, accept_index: torch.Tensor, accept_lens
+        self,
+        batch: ScheduleBatch,
+        taps: torch.Tensor,
+        accept_index: torch.Tensor,
+        accept_lens: torch.Tensor,
+        window_slots: torch.Tensor,
     ) -> None:
         """Draft context K/V of each request's committed rows (a chain's: the first
-        ``accept_lens`` of its verify window) at their slots. Every row of the window is
+        ``accept_lens`` of its verify window) at their slots: ``window_slots``, the verify's
+        own ``out_cache_loc`` (read here rather than ``req_to_token``, which the host may
+        already be rewriting for the next step under overlap). Every row of the window is
         computed and the rows not committed go to slot 0, SGLang's padding slot, which no token
         holds: fixed shapes, so nothing waits for the verify to know how many rows there are
         (a boolean selection would)."""
@@ -258,22 +288,34 @@ class AtomDSparkWorker(NGRAMWorker):
         keep = cols < accept_lens[:, None]
         rows = accept_index.long().clamp(min=0).reshape(-1)  # -1: a row not committed
         positions = batch.seq_lens.long()[:, None] + cols
-        req_to_token = batch.req_to_token_pool.req_to_token
-        slots = req_to_token[batch.req_pool_indices.long()[:, None], positions]
+        slots = window_slots.view(-1, n).to(torch.int64)
         slots = torch.where(keep, slots, torch.zeros_like(slots)).reshape(-1)
+        positions = positions.reshape(-1)
+        if self.graphs is not None and self.graphs.write_context(taps, rows, positions, slots):
+            self.passes["writes replayed"] += 1
+            return
+        self.passes["writes eager"] += 1
         bound = self._max_seq_len(batch) + n - 1
-        self.write_context(taps[rows], positions.reshape(-1), slots, bound)
+        self.write_context(taps[rows], positions, slots, bound)
 
     # ---------------------------------------------------------------- propose
 
     def _anchors(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Each request's last committed token, on the device. From pinned memory on CUDA:
-        a copy from pageable memory would first wait for the stream's queued work."""
-        ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
-        if torch.device(self.device).type != "cuda":
-            return torch.tensor(ids, dtype=torch.int64, device=self.device)
-        host = torch.tensor(ids, dtype=torch.int64, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
+        """Each request's last committed token, on the device: the last accepted token of the
+        previous step (the extend's sampled token after a prefill), from the draft input SGLang
+        relays (overlap) or installs (synchronous). ``req.output_ids`` would be one step
+        behind under overlap, and reading them means a copy from the host every step."""
+        spec = batch.spec_info
+        bs = len(batch.reqs)
+        if spec is None or spec.accept_tokens is None or spec.accept_lens is None:
+            raise RuntimeError(
+                "ATOM_DSPARK: a decode batch without the previous step's accepted tokens "
+                f"(spec_info {type(spec).__name__}); the scheduler relays them from every "
+                "extend and verify result"
+            )
+        tokens = spec.accept_tokens.view(bs, self.draft_token_num)
+        last = (spec.accept_lens.to(torch.int64) - 1).clamp(min=0)
+        return tokens.gather(1, last[:, None]).squeeze(1).to(torch.int64)
 
     def _verify_block(self, batch: ScheduleBatch) -> torch.Tensor:
         """[bs, k + 1] on the device: each request's anchor and its k draft tokens."""
@@ -395,15 +437,15 @@ class AtomDSparkWorker(NGRAMWorker):
         )
         if not self.holds_draft:  # the payload, with this stage's taps, goes to the next stage
             return result
+        new_seq_lens = batch.seq_lens.clone()
+        if on_publish is not None:  # before the draft's write: the host's next step overlaps it
+            on_publish(new_seq_lens)
         if batch.forward_mode.is_extend() and result.logits_output is not None:
             self._write_extend_context(batch, self._taps(result, pp_proxy_tensors))
         bs = len(batch.reqs)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
         if bs:
             accept_tokens[:, 0] = result.next_token_ids
-        new_seq_lens = batch.seq_lens.clone()
-        if on_publish is not None:
-            on_publish(new_seq_lens)
         out = self._result(result, result.next_token_ids, accept_tokens, None, new_seq_lens)
         if get_parallel().pp_size > 1:
             # Under PP every stage rebuilds the batch result from the relayed outputs, with no
@@ -432,6 +474,7 @@ class AtomDSparkWorker(NGRAMWorker):
             capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         logits_output = result.logits_output
+        window_slots = batch.out_cache_loc
         grammar_mask = self._grammar_mask(batch, verify_input) if batch.has_grammar else None
         predict, accept_lens, accept_index = eagle_sample(
             verify_input, batch, logits_output, grammar_mask, watermark_state=None
@@ -444,19 +487,20 @@ class AtomDSparkWorker(NGRAMWorker):
                 accept_index.shape[1],
                 self.forced_accept,
             )
+        new_seq_lens = batch.seq_lens + accept_lens
+        if on_publish is not None:  # the host's next step may start preparing from here
+            on_publish(new_seq_lens)
         # No KV move (SGLang's move_accept_tokens_to_target_kvcache): in a chain the accepted
         # rows are the front of each verify window, where that move would put them, so it is
         # the identity; and the M3 target's MiniMaxSparseKVPool does not implement it.
-        self._write_verify_context(batch, logits_output.hidden_states, accept_index, accept_lens)
-        new_seq_lens = batch.seq_lens + accept_lens
+        self._write_verify_context(
+            batch, logits_output.hidden_states, accept_index, accept_lens, window_slots
+        )
         accept_tokens = predict[accept_index].flatten()
         if batch.return_logprob:
             from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        self._count(accept_lens - 1)
         batch.forward_mode = ForwardMode.DECODE
         return self._result(result, accept_tokens, accept_tokens, accept_lens, new_seq_lens)
 
@@ -496,13 +540,25 @@ class AtomDSparkWorker(NGRAMWorker):
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
         )
 
-    def _count(self, accepted: torch.Tensor) -> None:
+    def on_verify_complete_cpu(
+        self, num_correct_drafts_per_req: list[int], batch_size: int = 0
+    ) -> None:
+        """SGLang's result processor, with each request's accepted drafts of a verify step on
+        the host (in overlap mode one step later): the acceptance statistics and their log
+        line, with no copy from the device of our own."""
+        if self.holds_draft:
+            self._count(num_correct_drafts_per_req)
+
+    def _count(self, accepted: list[int]) -> None:
         self.stats.update(accepted)
         self.total.update(accepted)
         if self.stats.steps >= LOG_EVERY:
             graphs = ""
             if self.graphs is not None:
-                graphs = "; draft passes: {replayed} replayed, {eager} eager".format(**self.passes)
+                graphs = (
+                    "; draft passes: {replayed} replayed, {eager} eager; context writes: "
+                    "{writes replayed} replayed, {writes eager} eager"
+                ).format(**self.passes)
                 self.passes = dict.fromkeys(self.passes, 0)
             logger.info(
                 "%s (total: %s)%s", self.stats.as_log_line(), self.total.as_log_line(), graphs
