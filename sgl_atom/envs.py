@@ -109,8 +109,9 @@ SGL_ATOM_DSPARK_FAULT = EnvVar(
 SGL_ATOM_DSPARK_DRAFT_GRAPHS = EnvVar(
     "SGL_ATOM_DSPARK_DRAFT_GRAPHS",
     True,
-    "ATOM_DSPARK on CUDA: capture the draft's propose pass in CUDA graphs, one per decode batch "
-    "size SGLang captures (0: the draft runs eagerly; off with --disable-cuda-graph too).",
+    "ATOM_DSPARK on CUDA: capture the draft's propose pass and its context write after each "
+    "verify in CUDA graphs, one per decode batch size SGLang captures (0: the draft runs "
+    "eagerly; off with --disable-cuda-graph too).",
 )
 SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
     "SGL_ATOM_PD_TRANSFER_TIMEOUT",

@@ -242,6 +242,9 @@ def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype):
     assert "ATOM_DSPARK draft CUDA graphs: captured" in log, log[-3000:]
     replayed = [int(n) for n in re.findall(r"draft passes: (\d+) replayed", log)]
     assert replayed and sum(replayed) > 0, log[-3000:]
+    # and the context write of the committed rows after each verify
+    writes = [int(n) for n in re.findall(r"context writes: (\d+) replayed, 0 eager", log)]
+    assert writes and sum(writes) > 0, log[-3000:]
 
 
 def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):

@@ -5,6 +5,7 @@ own KV pool at bf16 and fp8 with its scratch rows."""
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -275,7 +276,7 @@ def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dt
     rows = torch.randperm(bs + 6, generator=gen)[:bs]
     req_to_token[rows, : case.context_slots.shape[1]] = case.context_slots
     args = case.pass_args(served)
-    dpass = DraftPass(served, case.pool, args["embed"], args["lm_head"], req_to_token, bs + 2)
+    dpass = DraftPass(served, case.pool, args["embed"], args["lm_head"], req_to_token, bs + 2, 5)
     lens = torch.tensor(case.LENS)
     # a larger batch first: its rows must not leak into the next, smaller one
     dpass.load(torch.arange(bs + 2), torch.full((bs + 2,), 5), torch.arange(bs + 2))
@@ -288,6 +289,64 @@ def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dt
     graphs = DraftGraphs.__new__(DraftGraphs)  # the replay choice alone (capture needs CUDA)
     graphs.sizes = [1, 2, 4, 8]
     assert [graphs.size_for(b) for b in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_static_context_write_writes_what_the_eager_write_writes(served, dtype, monkeypatch):
+    """The context write the CUDA graphs capture (DraftPass.write_context: the verify window's
+    rows in static buffers, padded batch rows, fixed RoPE bound) stores the same K/V (and fp8
+    scales) at every committed row's slot as the per-step write, after a larger batch filled
+    the buffers; rows not committed and padded rows touch SGLang's padding slot 0 only."""
+    from sgl_atom.speculative.dspark.draft_graphs import DraftPass
+
+    monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", "triton")
+    cfg, window, bs = served.dspark, served.dspark.block_size + 1, 3
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    pools = [Case(served, dtype, seed=5).pool for _ in range(2)]
+    for pool in pools:  # the same poison in both: NaN rows everywhere
+        for t in pool.k_all + pool.v_all + pool.k_scale_all + pool.v_scale_all:
+            t.fill_(float("nan"))
+    taps = torch.randn(bs * window, cfg.num_taps * cfg.tap_hidden_size, generator=gen)
+    taps = taps.to(served.dtype)
+    cols = torch.arange(window)[None, :]
+    committed = torch.randint(1, window + 1, (bs, 1), generator=gen)
+    keep = cols < committed
+    chain = torch.arange(bs)[:, None] * window + cols
+    rows = torch.where(keep, chain, 0).flatten()
+    positions = (torch.randint(0, 40, (bs, 1), generator=gen) + cols).flatten()
+    free = (torch.randperm(Case.SLOTS - 1, generator=gen) + 1)[: bs * window].view(bs, window)
+    slots = torch.where(keep, free, 0).flatten()
+    for layer, (k, v) in enumerate(served.context_kv(taps[rows], positions, 60)):
+        pools[0].write(layer, slots, k, v)
+
+    req_to_token = torch.zeros(bs + 2, 64, dtype=torch.int32)
+    embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=served.dtype)
+    dpass = DraftPass(served, pools[1], embed, embed, req_to_token, bs + 2, window)
+    big = (bs + 2) * window  # a larger batch's rows first: none may leak into this one
+    dpass.load_context(
+        taps.repeat(2, 1), torch.arange(big), torch.arange(big), 1 + torch.arange(big)
+    )
+    dpass.load_context(taps, rows, positions, slots)
+    assert not dpass.ctx_slots[bs * window :].any() and not dpass.ctx_pos[bs * window :].any()
+    dpass.write_context(bs + 2)  # padded as a graph of bs + 2 rows runs it
+    written = slots[slots > 0]
+    # the same rows at the same slots: equal up to the rounding a matmul of more rows may
+    # change (a row at a wrong slot or position is off by O(1))
+    tol = 1e-2 if dtype == "bf16" else 4e-2
+    for layer in range(cfg.num_hidden_layers):
+        pair = zip(pools[0].read(layer, written), pools[1].read(layer, written), strict=True)
+        for want, got in pair:
+            assert_close_rel(got.float(), want.float(), tol, f"layer {layer} context K/V")
+    for a, b in zip(
+        pools[0].k_all + pools[0].v_all + pools[0].k_scale_all + pools[0].v_scale_all,
+        pools[1].k_all + pools[1].v_all + pools[1].k_scale_all + pools[1].v_scale_all,
+        strict=True,
+    ):
+        rest = torch.ones(a.shape[0], dtype=torch.bool)
+        rest[written], rest[0] = False, False
+        assert b[rest].float().isnan().all(), "only committed slots and the padding slot"
+    with pytest.raises(ValueError, match="buffers hold"):
+        dpass.load_context(taps, torch.zeros(big + 1, dtype=torch.int64), positions, slots)
 
 
 def test_draft_graph_sizes_follow_the_target_graphs_on_cuda_only():

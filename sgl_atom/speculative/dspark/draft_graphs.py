@@ -1,4 +1,5 @@
-"""CUDA graphs of the DSpark draft's propose pass, one per decode batch size.
+"""CUDA graphs of the DSpark draft's decode-step work, per decode batch size: its propose pass,
+and its context write of the rows a verify committed.
 
 SGLang captures the target's decode and verify steps in CUDA graphs at start-up. The draft's
 pass (the embedding gather; per layer the projections, norms, RoPE, the block K/V store, the
@@ -18,6 +19,12 @@ graph, or a server without graphs (CPU, ``--disable-cuda-graph``,
 A padded row has context length 0 and anchor 0: its block attends to its own scratch rows only
 (every batch row of the graph has its own, ``DraftKVPool.scratch_rows``), and its tokens are
 dropped.
+
+The context write after a verify (the tap projection, per layer the K/V projections, norm, RoPE
+and the pool store: some 15 kernels a layer) has fixed shapes too, ``bs x (k + 1)`` rows of the
+verify window, the rows not committed going to SGLang's padding slot 0. It is captured the same
+way (:meth:`DraftPass.write_context`): a step gathers its committed rows' taps, positions and
+slots into static buffers, the rows past the batch go to slot 0, and one graph replays the rest.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class DraftPass:
         lm_head: torch.Tensor,
         req_to_token: torch.Tensor,
         max_bs: int,
+        window: int,
     ) -> None:
         if max_bs > pool.max_batch:
             raise ValueError(
@@ -60,7 +68,16 @@ class DraftPass:
         self.lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
         # RoPE tables as long as any block position, grown now and never inside a graph
-        draft.rope_tables(device, draft.dtype, self.width + draft.dspark.query_len)
+        self.max_position = self.width + draft.dspark.query_len - 1
+        draft.rope_tables(device, draft.dtype, self.max_position + 1)
+        # the verify window's rows (``window`` = k + 1 per request) for the context write
+        cfg, rows = draft.dspark, max_bs * window
+        self.window = window
+        self.ctx_taps = torch.zeros(
+            rows, cfg.num_taps * cfg.tap_hidden_size, dtype=draft.dtype, device=device
+        )
+        self.ctx_pos = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.ctx_slots = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def load(self, anchors: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> None:
         """One step's inputs into rows 0..bs-1; the rows past them get an empty context."""
@@ -73,6 +90,29 @@ class DraftPass:
         self.anchors[bs:].zero_()
         self.lens[bs:].zero_()
         self.rows[bs:].zero_()
+
+    def load_context(
+        self, taps: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """One verify's context rows: ``taps[rows]``, their positions and slots (slot 0 for a
+        row not committed) into the first ``rows.numel()`` buffer rows; the rows past them go
+        to slot 0 at position 0."""
+        n = rows.numel()
+        if n > self.ctx_slots.numel():
+            raise ValueError(f"context write of {n} rows, buffers hold {self.ctx_slots.numel()}")
+        self.ctx_taps[:n].copy_(taps[rows])
+        self.ctx_pos[:n].copy_(positions)
+        self.ctx_slots[:n].copy_(slots)
+        self.ctx_pos[n:].zero_()
+        self.ctx_slots[n:].zero_()
+
+    def write_context(self, bs: int) -> None:
+        """The draft's context K/V of buffer rows 0..bs * window - 1 into the pool at their
+        slots (fixed shapes for a given ``bs``)."""
+        n = bs * self.window
+        kv = self.draft.context_kv(self.ctx_taps[:n], self.ctx_pos[:n], self.max_position)
+        for layer, (k, v) in enumerate(kv):
+            self.pool.write(layer, self.ctx_slots[:n], k, v)
 
     def run(self, bs: int) -> torch.Tensor:
         """Draft tokens [bs, k] of rows 0..bs-1 (fixed shapes for a given ``bs``)."""
@@ -92,12 +132,14 @@ class DraftPass:
 
 
 class DraftGraphs:
-    """One CUDA graph of :class:`DraftPass` per batch size (captured at construction)."""
+    """Per batch size, one CUDA graph of :class:`DraftPass`'s propose pass and one of its
+    context write (captured at construction)."""
 
     def __init__(self, dpass: DraftPass, batch_sizes: list[int]) -> None:
         self.dpass = dpass
         self.sizes = sorted({b for b in batch_sizes if 0 < b <= dpass.max_bs})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.writes: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -105,11 +147,16 @@ class DraftGraphs:
         for bs in reversed(self.sizes):  # the largest first: the smaller reuse its memory
             for _ in range(2):  # Triton compiles and first-call work stay out of the graph
                 dpass.run(bs)
+                dpass.write_context(bs)  # zeroed buffers: padding slot 0 only
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.out[bs] = dpass.run(bs)
             self.graphs[bs] = graph
+            write = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(write, pool=pool, stream=stream):
+                dpass.write_context(bs)
+            self.writes[bs] = write
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
@@ -129,6 +176,18 @@ class DraftGraphs:
         self.dpass.load(anchors, lens, rows)
         self.graphs[size].replay()
         return self.out[size][:bs]
+
+    def write_context(
+        self, taps: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> bool:
+        """A verify's context write (``rows`` of ``taps``, one per window row of each request)
+        by replaying a graph; False when no graph holds the batch."""
+        size = self.size_for(rows.numel() // self.dpass.window)
+        if size is None:
+            return False
+        self.dpass.load_context(taps, rows, positions, slots)
+        self.writes[size].replay()
+        return True
 
 
 def capture_sizes(device: str | torch.device, target_bs, max_batch: int) -> list[int]:
