@@ -28,7 +28,9 @@ step over one plain decode step of the same run). `--spec-overlap on,off` runs e
 server under SGLang's overlap scheduling (its default, "overlap": "on") and again with
 `--disable-overlap-schedule` ("off"); `--serial-plain` adds the plain decode without overlap
 (rows with "spec": "none-serial"; DSpark rows then carry "step_ratio_serial", the step over that
-one). Their table is the second one in server.md. `--spec --spec-chain` measures real
+one). A DSpark row's tokens/s is SGLang's log lines time-weighted (their tokens over their
+summed time, `server_dspark.spec_log_rate`): under overlap scheduling the interval between two
+lines jitters. Their table is the second one in server.md. `--spec --spec-chain` measures real
 acceptance instead: the word-chain llama target and its distilled draft (trained weights,
 prompts of words), plain and then ATOM_DSPARK per `--draft-kv`, at `--chain-batches` (1 and
 32): decode tokens/s (the batch decoded to N and to 2N new tokens, the rate from the difference

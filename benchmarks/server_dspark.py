@@ -229,13 +229,19 @@ def chain_table(rows: list[dict]) -> str:
 
 
 def spec_log_rate(log: str, batch: int) -> tuple[float, float, int]:
-    """(median gen throughput, mean accept len, lines) of the decode lines with the whole batch
-    running, the first dropped (its interval can hold the end of the prefill)."""
+    """(gen throughput, mean accept len, lines) of the decode lines with the whole batch
+    running, the first dropped (its interval can hold the end of the prefill). The throughput
+    is time-weighted: the lines' tokens over their summed time, each line holding the same
+    number of steps, so its tokens go with its accept length. Under overlap scheduling the
+    time between two lines jitters (results are processed a step late, sometimes two at once),
+    and a median of per-line rates would follow the jitter."""
     hits = [(float(a or 0), float(r)) for n, a, r in SPEC_RE.findall(log) if int(n) == batch][1:]
+    hits = [(a, r) for a, r in hits if r > 0]
     if not hits:
         return 0.0, 0.0, 0
-    rates = sorted(r for _, r in hits)
-    return rates[len(rates) // 2], sum(a for a, _ in hits) / len(hits), len(hits)
+    weights = [a or 1.0 for a, _ in hits]
+    rate = sum(weights) / sum(w / r for w, (_, r) in zip(weights, hits, strict=True))
+    return rate, sum(a for a, _ in hits) / len(hits), len(hits)
 
 
 def step_ratio(spec_tok_s: float, accept_len: float, plain_tok_s: float) -> float:

@@ -350,3 +350,27 @@ def test_dspark_rows_with_and_without_overlap_are_kept_apart(tmp_path):
     with pytest.raises(SystemExit, match="--spec-overlap"):
         bench_server.parse_args(["--spec", "--spec-overlap", "on,sometimes"])
     assert bench_server.parse_args(["--spec", "--spec-overlap", "on,off"]).spec_overlap == "on,off"
+
+
+def test_spec_log_rate_is_time_weighted():
+    """Lines of equal steps: tokens (batch x interval x accept) over their summed time, so a
+    line whose interval was cut short by a late result does not pull the rate its way."""
+    import server_dspark as dspark
+
+    rng = random.Random()
+    batch, interval = rng.choice([1, 16]), 4
+    lines, tokens, seconds = [], 0.0, 0.0
+    for i in range(rng.randint(4, 9)):
+        accept = rng.choice([3.0, 4.0, 5.0])
+        dt = rng.choice([1e-4, rng.uniform(0.01, 0.05)])  # two results processed at once
+        rate = batch * interval * accept / dt
+        if i:  # the first line is dropped
+            tokens, seconds = tokens + batch * interval * accept, seconds + dt
+        lines.append(
+            f"Decode batch, #running-req: {batch}, #token: 9, accept len: {accept:.2f}, "
+            f"gen throughput (token/s): {rate:.4f}, #queue-req: 0"
+        )
+    lines.append("Decode batch, #running-req: 99, accept len: 4.00, gen throughput (token/s): 1")
+    got, _, n = dspark.spec_log_rate("\n".join(lines), batch)
+    assert n == len(lines) - 2
+    assert got == pytest.approx(tokens / seconds, rel=1e-5)
