@@ -289,6 +289,10 @@ def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dt
     graphs = DraftGraphs.__new__(DraftGraphs)  # the replay choice alone (capture needs CUDA)
     graphs.sizes = [1, 2, 4, 8]
     assert [graphs.size_for(b) for b in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+    # context writes whose capture failed (none kept): the worker writes eagerly
+    graphs.dpass, graphs.writes = dpass, {}
+    idx = torch.zeros(bs * 5, dtype=torch.int64)
+    assert graphs.write_context(torch.zeros(bs * 5, 1), idx, idx, idx) is False
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

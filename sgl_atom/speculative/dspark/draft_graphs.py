@@ -147,17 +147,31 @@ class DraftGraphs:
         for bs in reversed(self.sizes):  # the largest first: the smaller reuse its memory
             for _ in range(2):  # Triton compiles and first-call work stay out of the graph
                 dpass.run(bs)
-                dpass.write_context(bs)  # zeroed buffers: padding slot 0 only
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.out[bs] = dpass.run(bs)
             self.graphs[bs] = graph
-            write = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(write, pool=pool, stream=stream):
-                dpass.write_context(bs)
-            self.writes[bs] = write
         torch.cuda.synchronize()
+        try:  # the context writes apart: a failure there leaves the propose graphs replaying
+            for bs in reversed(self.sizes):
+                for _ in range(2):
+                    dpass.write_context(bs)  # zeroed buffers: padding slot 0 only
+                torch.cuda.synchronize()
+                write = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(write, pool=pool, stream=stream):
+                    dpass.write_context(bs)
+                self.writes[bs] = write
+            torch.cuda.synchronize()
+        except Exception as e:
+            self.writes.clear()
+            logger.warning(
+                "ATOM_DSPARK draft CUDA graphs: the context write could not be captured (%s: "
+                "%s); it runs eagerly, the propose pass from its graphs",
+                type(e).__name__,
+                e,
+                exc_info=True,
+            )
         self.capture_s = time.perf_counter() - t0
 
     def size_for(self, bs: int) -> int | None:
@@ -183,7 +197,7 @@ class DraftGraphs:
         """A verify's context write (``rows`` of ``taps``, one per window row of each request)
         by replaying a graph; False when no graph holds the batch."""
         size = self.size_for(rows.numel() // self.dpass.window)
-        if size is None:
+        if size is None or size not in self.writes:
             return False
         self.dpass.load_context(taps, rows, positions, slots)
         self.writes[size].replay()
@@ -213,10 +227,12 @@ def capture(dpass: DraftPass, batch_sizes: list[int]) -> DraftGraphs | None:
         )
         return None
     logger.info(
-        "ATOM_DSPARK draft CUDA graphs: captured %d batch sizes %s in %.1f s (table width %d)",
+        "ATOM_DSPARK draft CUDA graphs: captured %d batch sizes %s in %.1f s (table width %d; "
+        "context writes: %s)",
         len(graphs.sizes),
         graphs.sizes,
         graphs.capture_s,
         dpass.width,
+        "captured" if graphs.writes else "eager",
     )
     return graphs
