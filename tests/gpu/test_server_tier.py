@@ -238,6 +238,7 @@ def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype):
     finally:
         srv.stop()
     assert got == chain_baseline
+    assert "ATOM_DSPARK: overlap scheduling on" in log, "SGLang's default, as users run it"
     # the draft's pass runs as replayed CUDA graphs (draft_graphs.py), the verify in SGLang's
     assert "ATOM_DSPARK draft CUDA graphs: captured" in log, log[-3000:]
     replayed = [int(n) for n in re.findall(r"draft passes: (\d+) replayed", log)]
