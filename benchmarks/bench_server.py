@@ -539,7 +539,7 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
     plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
     for (k, n), kv, ov in itertools.product(blocks, draft_kvs, overlaps):
         name = f"{model}_dspark-k{k}-n{n}-{kv}" + ("" if ov == "on" else "-no-overlap")
-        spec = [*dspark.spec_server_args(drafts[k], kv, n), *dspark.OVERLAP_FLAGS[ov]]
+        spec = dspark.spec_server_args(drafts[k], kv, n, ov)
         args = server_args([*base, *spec], workloads, output, cpu, interval)
         with started(path, args, name, {**env, **dspark.SPEC_ENV}, logs, warm) as srv:
             for p, q in zip(plain, serials, strict=True):
@@ -569,10 +569,7 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
     base = [*BACKENDS["atom-bf16"][2], "--max-running-requests", str(max(batches))]
     servers = {("none", "on"): []}
     for kv, ov in itertools.product(args.draft_kv.split(","), args.spec_overlap.split(",")):
-        servers[(kv, ov)] = [
-            *dspark.spec_server_args(DSPARK_CHAIN, kv, None),
-            *dspark.OVERLAP_FLAGS[ov],
-        ]
+        servers[(kv, ov)] = dspark.spec_server_args(DSPARK_CHAIN, kv, None, ov)
     plain: dict[int, Row] = {}
     outputs: dict[int, list] = {}
     rows: list[Row] = []

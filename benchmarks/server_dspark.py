@@ -119,10 +119,12 @@ def write_drafts(model: str, shape: dict, blocks: list[int], root: Path, max_pos
     return paths
 
 
-def spec_server_args(draft: Path, draft_kv: str, forced: int | None) -> list[str]:
+def spec_server_args(
+    draft: Path, draft_kv: str, forced: int | None, overlap: str = "on"
+) -> list[str]:
     """ATOM_DSPARK with ``draft``, its KV pool at ``draft_kv`` (bf16 / fp8, given to SGLang's
     own flag in its spelling: bf16 / fp8_e4m3), ``forced`` drafts committed per verify (None:
-    the drafts the target accepts)."""
+    the drafts the target accepts), under overlap scheduling or not (``OVERLAP_FLAGS``)."""
     from sgl_atom.speculative.draft_kv_dtype import to_sglang_dtype
 
     args = [
@@ -132,6 +134,7 @@ def spec_server_args(draft: Path, draft_kv: str, forced: int | None) -> list[str
         str(draft),
         "--speculative-draft-kv-cache-dtype",
         to_sglang_dtype(draft_kv),
+        *OVERLAP_FLAGS[overlap],
     ]
     return args if forced is None else [*args, "--atom-dspark-forced-accept", str(forced)]
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ...log import get_logger
-from .pool import block_page_table
+from .pool import block_page_table, write_context_kv
 
 logger = get_logger("sgl_atom.speculative")
 
@@ -110,9 +110,10 @@ class DraftPass:
         """The draft's context K/V of buffer rows 0..bs * window - 1 into the pool at their
         slots (fixed shapes for a given ``bs``)."""
         n = bs * self.window
-        kv = self.draft.context_kv(self.ctx_taps[:n], self.ctx_pos[:n], self.max_position)
-        for layer, (k, v) in enumerate(kv):
-            self.pool.write(layer, self.ctx_slots[:n], k, v)
+        write_context_kv(
+            self.draft, self.pool, self.ctx_taps[:n], self.ctx_pos[:n], self.ctx_slots[:n],
+            self.max_position,
+        )  # fmt: skip
 
     def run(self, bs: int) -> torch.Tensor:
         """Draft tokens [bs, k] of rows 0..bs-1 (fixed shapes for a given ``bs``)."""

@@ -16,6 +16,8 @@ moves (the target pool's ``sgl_atom.pool_state``) never includes the scratch row
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...kernels.kv_quant import reference_store_kv, store_kv
@@ -112,6 +114,22 @@ class DraftKVPool:
             k = k.float() * self.k_scale_all[layer][loc][..., None]
             v = v.float() * self.v_scale_all[layer][loc][..., None]
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+
+def write_context_kv(
+    draft: Any,
+    pool: DraftKVPool,
+    taps: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    max_position: int | None,
+) -> None:
+    """The draft's context K/V of tokens at ``positions`` (``max_position``: their bound, known
+    on the host) into ``pool`` at ``slots``, every layer."""
+    if slots.numel() == 0:
+        return
+    for layer, (k, v) in enumerate(draft.context_kv(taps, positions, max_position)):
+        pool.write(layer, slots, k, v)
 
 
 def block_page_table(

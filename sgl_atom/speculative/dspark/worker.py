@@ -76,7 +76,7 @@ from .accept import SpecStats
 from .draft_graphs import DraftGraphs, DraftPass, capture, capture_sizes
 from .forced_accept import FLAG, WARNING, forced_accept, forced_acceptance
 from .loader import load_draft, relay_stage_taps
-from .pool import DraftKVPool, block_page_table, check_block_attention
+from .pool import DraftKVPool, block_page_table, check_block_attention, write_context_kv
 from .pp_taps import assemble_taps, stage_layers, taps_on_stage
 
 logger = get_logger("sgl_atom.speculative")
@@ -248,10 +248,7 @@ class AtomDSparkWorker(NGRAMWorker):
     ) -> None:
         """Draft context K/V of tokens at ``positions`` (``max_position``: their bound, known
         on the host) into the draft pool at ``slots``."""
-        if slots.numel() == 0:
-            return
-        for layer, (k, v) in enumerate(self.draft.context_kv(taps, positions, max_position)):
-            self.pool.write(layer, slots, k, v)
+        write_context_kv(self.draft, self.pool, taps, positions, slots, max_position)
 
     def _write_extend_context(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
         """The chunk's rows from the host's lengths, copied through pinned memory: a copy from
