@@ -3,6 +3,9 @@
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
 #   bash benchmarks/gpu_call.sh all|kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
 # Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
+# GPU_CALL_UNTIL (epoch seconds, e.g. $(( $(date +%s) + 580 )) set once at the call's start) caps
+# each mode's main command so that it ends UNTIL_MARGIN s (default 15) before then: the servers'
+# log tails and the pack still run. An outer `timeout` would kill them with the mode.
 # kernels, tune-decode, tune-verify, tune-kernels and ncu-decode need torch and Triton only: they
 # run on part 1 alone (the first call of the two-call routine).
 # tune-kernels writes the measured decode tuning to
@@ -43,6 +46,17 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 # reach of the signal), holding the card's memory for the next mode: stopped after each mode that
 # starts servers. The pattern does not match this script's own command line.
 stop_servers() { pkill -f '[s]glang.launch_server' && sleep 5; pkill -9 -f '[s]glang.launch_server'; true; }
+# `capped SECONDS cmd...`: cmd under `timeout`, at most SECONDS and at most until GPU_CALL_UNTIL
+# less the margin (nothing runs when that has passed: exit 124, as for a command cut short)
+capped() {
+  local cap=$1; shift
+  if [ -n "${GPU_CALL_UNTIL:-}" ]; then
+    local left=$(( GPU_CALL_UNTIL - $(date +%s) - ${UNTIL_MARGIN:-15} ))
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -le 0 ]; then echo "gpu_call: no time left before GPU_CALL_UNTIL for: $*"; return 124; fi
+  fi
+  timeout "$cap" "$@"
+}
 # the last lines of every tier server's log (kept when a run is cut), then no server left behind
 tier_tails() {
   for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log"
@@ -51,6 +65,10 @@ tier_tails() {
 kernel_tests() {
   python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log"
 }
+case "$what" in  # servers left by an earlier mode that was killed from outside hold the card
+  all|tier|bench*) pgrep -f '[s]glang.launch_server' > /dev/null \
+    && { echo "gpu_call: stopping SGLang servers left by an earlier mode"; stop_servers; } ;;
+esac
 case "$what" in
   kernels) kernel_tests ;;
   tune-kernels)
@@ -63,18 +81,18 @@ case "$what" in
     kernel_tests ;;
   all) # the whole of tests/gpu in one pytest run: the server tier on one xdist worker, the kernel
        # modules on the others (part 3 carries pytest-xdist), capped like the tier
-       timeout "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu -n 4 --dist loadfile "$@" 2>&1 \
+       capped "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu -n 4 --dist loadfile "$@" 2>&1 \
          | tee "$OUT/gpu_tests.log"
        tier_tails ;;
   tier) # the pytest run is capped (TIER_TIMEOUT s) so the servers' log tails are kept when it is cut
-        timeout "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu/test_server_tier.py "$@" 2>&1 \
+        capped "${TIER_TIMEOUT:-560}" python3 -m pytest -q -rsx tests/gpu/test_server_tier.py "$@" 2>&1 \
           | tee "$OUT/gpu_server_tests.log"
         tier_tails ;;
-  bench-quick) python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
-  bench) python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
-  bench-m3) python3 benchmarks/bench_server.py --m3 --output 64 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_m3.log"; stop_servers ;;
-  bench-pd) python3 benchmarks/bench_server.py --pd --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_pd.log"; stop_servers ;;
-  bench-spec) python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log"; stop_servers ;;
+  bench-quick) capped 600 python3 benchmarks/bench_server.py --quick --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
+  bench) capped 600 python3 benchmarks/bench_server.py --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server.log"; stop_servers ;;
+  bench-m3) capped 600 python3 benchmarks/bench_server.py --m3 --output 64 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_m3.log"; stop_servers ;;
+  bench-pd) capped 600 python3 benchmarks/bench_server.py --pd --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_pd.log"; stop_servers ;;
+  bench-spec) capped 600 python3 benchmarks/bench_server.py --spec --output 128 --out "$OUT" --logs "$OUT" "$@" 2>&1 | tee "$OUT/bench_server_spec.log"; stop_servers ;;
   ncu-decode)
     for kv in bf16 fp8; do
       ncu --clock-control none --kernel-name regex:decode_fwd_kernel --launch-skip 2 \
