@@ -155,7 +155,7 @@ def row_key(d: dict) -> tuple:
     """What a row measured: a later run's row of the same key replaces it."""
     fields = ("model", "backend", "kv", "batch", "prompt", "output")
     extra = ("spec", "block", "forced_accept", "draft_kv", "overlap", "sparse", "weights", "index",
-             "pd")  # fmt: skip
+             "pd", "pd_variant")  # fmt: skip
     return tuple(d[f] for f in fields) + tuple(d.get(f) for f in extra)
 
 
@@ -683,19 +683,24 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     def ids(prompt: int, rep: int) -> list[int]:
         return random_prompts(1, prompt, vocab, seed=prompt * 131 + rep)[0]
 
-    def row(kind: str, prompt: int, ttfts: list[float], moved: list) -> Row:
+    variants = pd.parse_variants(args.pd_variants)
+
+    def row(kind: str, prompt: int, ttfts: list[float], moved: list, variant: str = "") -> Row:
         figures = pd.summarize(ttfts, moved)
+        named = {"pd_variant": variant} if variant else {}
         return Row(model, "atom", "bf16", 1, prompt, 1, decode_tok_s=0.0,
                    ttft_s=round(figures.pop("ttft_s"), 4), byte_limit_tok_s=0.0, run=run_id,
-                   extra={"pd": kind, **figures})  # fmt: skip
+                   extra={"pd": kind, **named, **figures})  # fmt: skip
 
-    bp = free_port()
-    pair_env = {**env, **pd.PAIR_ENV}
-    roles = {
-        "unified": (base, env),
-        "prefill": ([*base, *prefill_args(bp), "--nccl-port", str(free_port())], pair_env),
-        "decode": ([*base, *decode_args(cpu), "--nccl-port", str(free_port())], pair_env),
-    }
+    roles = {"unified": (base, env)}
+    ports: dict[str, int] = {}
+    for variant, overrides in variants.items():  # one prefill + decode pair per variant
+        bp = ports[variant] = free_port()
+        pair_env = {**env, **pd.PAIR_ENV, **overrides}
+        nccl = ["--nccl-port", str(free_port())]
+        roles[pd.role("prefill", variant)] = ([*base, *prefill_args(bp), *nccl], pair_env)
+        nccl = ["--nccl-port", str(free_port())]
+        roles[pd.role("decode", variant)] = ([*base, *decode_args(cpu), *nccl], pair_env)
     # side by side, each pool capped to the workloads' size (pd.py): one start-up wait, not three
     jobs = {
         f"pd-{role}": (path, server_args(extra, loads, 1, cpu, capped=True), role_env)
@@ -705,7 +710,7 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
     rows: list[Row] = []
     try:
         servers = {n.removeprefix("pd-"): srv for n, srv in pool.start_many(jobs, 900).items()}
-        unified, prefill, decode = servers["unified"], servers["prefill"], servers["decode"]
+        unified = servers["unified"]
         generate(unified, random_prompts(2, 256, vocab, 1), 8)  # warm-up
         for _, prompt in loads:
             ttfts = [generate(unified, [ids(prompt, r)], 1) for r in range(reps)]
@@ -716,32 +721,37 @@ def bench_pd(args, run_id: str, root: Path, save=lambda rows: None) -> list[Row]
         save(rows)
         room = 1000
 
-        def ask(tokens: list[int], new: int) -> float:
+        def ask(variant: str, tokens: list[int], new: int) -> float:
             nonlocal room
             room += 1
             params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
-            req = PDRequest(prefill, decode, {"input_ids": tokens, "sampling_params": params},
-                            bp, room, timeout=1800)  # fmt: skip
+            pair = servers[pd.role("prefill", variant)], servers[pd.role("decode", variant)]
+            req = PDRequest(*pair, {"input_ids": tokens, "sampling_params": params},
+                            ports[variant], room, timeout=1800)  # fmt: skip
             out = req.join(timeout=1800)
             if not isinstance(out.get("d"), dict) or len(out["d"]["output_ids"]) != new:
                 raise RuntimeError(f"P/D request {room} was not served: {out}")
             return req.seconds["d"]
 
-        ask(ids(256, 99), 8)  # warm-up: handshake, first transfer
-        for _, prompt in loads:
-            first = room + 1
-            ttfts = [ask(ids(prompt, r), 1) for r in range(reps)]
-            seen = pd.transfers(prefill.log_text())
-            moved = [seen[r] for r in range(first, room + 1) if r in seen]
-            rows.append(row("pair", prompt, ttfts, moved))
-            extra = rows[-1].extra
-            print(
-                f"[bench_server] {model} P/D pair 1x{prompt}: TTFT {rows[-1].ttft_s} s, "
-                f"{extra.get('kv_bytes', 0) / 2**20:.1f} MiB in {extra.get('transfer_ms')} ms "
-                f"({extra.get('transfer_gbps')} GB/s), {len(moved)}/{reps} transfer lines",
-                flush=True,
-            )
-            save(rows)
+        for variant in variants:  # the pairs one after another, the others idle
+            prefill = servers[pd.role("prefill", variant)]
+            ask(variant, ids(256, 99), 8)  # warm-up: handshake, first transfer
+            label = f"P/D pair ({variant})" if variant else "P/D pair"
+            for _, prompt in loads:
+                first = room + 1
+                ttfts = [ask(variant, ids(prompt, r), 1) for r in range(reps)]
+                seen = pd.transfers(prefill.log_text())
+                moved = [seen[r] for r in range(first, room + 1) if r in seen]
+                rows.append(row("pair", prompt, ttfts, moved, variant))
+                extra = rows[-1].extra
+                print(
+                    f"[bench_server] {model} {label} 1x{prompt}: TTFT {rows[-1].ttft_s} s, "
+                    f"{extra.get('kv_bytes', 0) / 2**20:.1f} MiB in {extra.get('transfer_ms')} "
+                    f"ms, {extra.get('posting_ms')} ms of it posting "
+                    f"({extra.get('transfer_gbps')} GB/s), {len(moved)}/{reps} transfer lines",
+                    flush=True,
+                )
+                save(rows)
     finally:
         pool.stop_all()
         for srv in pool.started if args.logs else []:
@@ -898,6 +908,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"a P/D pair on one GPU (atom transfer backend) vs a unified server: TTFT and KV "
         f"transfer at batch 1 (workloads {pd.DEFAULT_WORKLOADS})",
     )
+    ap.add_argument(
+        "--pd-variants",
+        default="",
+        help="--pd: pairs that differ by environment, side by side and measured one after "
+        "another: 'NAME:KEY=VALUE KEY=VALUE;NAME2:...' (each adds to the pair's UCX and "
+        "SGL_ATOM_ settings; a NAME with nothing after the colon is the plain pair); each "
+        "variant is two more servers of the model on the card",
+    )
     ap.add_argument("--m3-layers", type=int, default=m3.DEFAULT_LAYERS, help="M3 layers")
     ap.add_argument("--m3-kv", choices=["bf16", "fp8"], default="bf16", help="M3 KV dtype")
     ap.add_argument(
@@ -934,6 +952,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(server_profile.md in --out)",
     )
     args = ap.parse_args(argv)
+    try:
+        pd.parse_variants(args.pd_variants)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if bad := set(args.spec_overlap.split(",")) - set(dspark.OVERLAP_FLAGS):
         raise SystemExit(f"--spec-overlap: {sorted(bad)} unknown; give on, off or on,off")
     if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8"}:

@@ -33,19 +33,25 @@ PAIR_ENV = {
 TARGET_TTFT, TARGET_GBPS_16K, TARGET_GBPS_1K = 1.15, 100.0, 30.0
 
 
-def transfers(log: str) -> dict[int, tuple[int, int, float]]:
-    """room -> (KV bytes, descriptors, write ms) from the prefill's transfer lines."""
+def transfers(log: str) -> dict[int, tuple[int, int, float, float]]:
+    """room -> (KV bytes, descriptors, write ms, of which posting ms) from the prefill's
+    transfer lines."""
     from sgl_atom.disagg.conn import TransferStats
 
     return {
-        room: (stats.nbytes, stats.descriptors, round(stats.seconds * 1e3, 2))
+        room: (
+            stats.nbytes,
+            stats.descriptors,
+            round(stats.seconds * 1e3, 2),
+            round(stats.posting * 1e3, 2),
+        )
         for room, (stats, _) in TransferStats.logged(log).items()
     }
 
 
-def summarize(ttfts: list[float], moved: list[tuple[int, int, float]]) -> dict:
+def summarize(ttfts: list[float], moved: list[tuple[int, int, float, float]]) -> dict:
     """Median TTFT and, over the requests' transfer lines, median bytes, descriptors, write
-    time and the rate of those medians."""
+    time, posting time and the rate of the bytes' and write time's medians."""
     out: dict = {"ttft_s": statistics.median(ttfts)}
     if moved:
         nbytes = statistics.median(m[0] for m in moved)
@@ -54,9 +60,38 @@ def summarize(ttfts: list[float], moved: list[tuple[int, int, float]]) -> dict:
             "kv_bytes": int(nbytes),
             "descriptors": int(statistics.median(m[1] for m in moved)),
             "transfer_ms": round(ms, 3),
+            "posting_ms": round(statistics.median(m[3] for m in moved), 3),
             "transfer_gbps": round(nbytes / (ms * 1e-3) / 1e9, 2) if ms > 0 else 0.0,
         }
     return out
+
+
+def role(kind: str, variant: str) -> str:
+    """The server name of a pair's ``kind`` (prefill, decode) for ``variant``."""
+    return f"{kind}-{variant}" if variant else kind
+
+
+def parse_variants(spec: str) -> dict[str, dict[str, str]]:
+    """``--pd-variants``: ``NAME:KEY=VALUE KEY=VALUE;NAME2:...`` -> name -> environment that
+    each pair of that name adds to PAIR_ENV (assignments apart by spaces: values such as
+    UCX_TLS's hold commas); an empty spec is the one pair with PAIR_ENV. Names are what the
+    rows and the table call the pairs."""
+    out: dict[str, dict[str, str]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, assigns = part.partition(":")
+        name = name.strip()
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"--pd-variants: {part!r} needs a name of letters, digits, - or _")
+        if name in out:
+            raise ValueError(f"--pd-variants: {name!r} is given twice")
+        env: dict[str, str] = {}
+        for kv in assigns.split():
+            key, eq, value = kv.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--pd-variants {name}: {kv!r} is not KEY=VALUE")
+            env[key.strip()] = value.strip()
+        out[name] = env
+    return out or {"": {}}
 
 
 def pd_table(rows: list[dict]) -> str:
@@ -67,19 +102,24 @@ def pd_table(rows: list[dict]) -> str:
     mine = [r for r in rows if r.get("pd")]
     unified = {(r["run"], r["model"], r["prompt"]): r for r in mine if r["pd"] == "unified"}
     out = []
-    for r in sorted(mine, key=lambda r: (r["model"], r["prompt"], r["run"], r["pd"] != "unified")):
+
+    def order(r: dict) -> tuple:
+        return r["model"], r["prompt"], r["run"], r["pd"] != "unified", r.get("pd_variant", "")
+
+    for r in sorted(mine, key=order):
         base = unified.get((r["run"], r["model"], r["prompt"]))
         pair = r["pd"] == "pair"
         out.append(
             [
                 r["model"],
                 f"{r['batch']}x{r['prompt']}",
-                r["pd"],
+                f"{r['pd']} ({r['pd_variant']})" if r.get("pd_variant") else r["pd"],
                 r["ttft_s"],
                 f"{r['ttft_s'] / base['ttft_s']:.2f}" if pair and base else "-",
                 f"{r['kv_bytes'] / 2**20:.1f}" if pair and "kv_bytes" in r else "-",
                 r.get("descriptors", "-") if pair else "-",
                 r.get("transfer_ms", "-") if pair else "-",
+                r.get("posting_ms", "-") if pair else "-",
                 r.get("transfer_gbps", "-") if pair else "-",
                 r["run"],
             ]
@@ -94,6 +134,7 @@ def pd_table(rows: list[dict]) -> str:
             "KV MiB / request",
             "descriptors",
             "write ms",
+            "of it posting ms",
             f"GB/s (target >= {TARGET_GBPS_16K:.0f} at 16K, >= {TARGET_GBPS_1K:.0f} at 1K)",
             "run",
         ],
@@ -102,26 +143,35 @@ def pd_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """TTFT of the pair and the unified server, and the pair's transfer rate, per prompt length
-    (newest run of each)."""
+    """TTFT of each pair and the unified server, and each pair's transfer rate, per prompt length
+    (newest run of each; one bar per pair variant)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    latest = {(r["pd"], r["prompt"]): r for r in rows if r.get("pd")}
-    prompts = sorted({p for _, p in latest})
+    latest = {(r["pd"], r.get("pd_variant", ""), r["prompt"]): r for r in rows if r.get("pd")}
+    prompts = sorted({p for _, _, p in latest})
+    kinds = sorted({(k, v) for k, v, _ in latest}, key=lambda kv: (kv[0] != "unified", kv[1]))
+    pairs = [kv for kv in kinds if kv[0] == "pair"]
+    width = 0.8 / max(1, len(kinds))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for k, kind in enumerate(("unified", "pair")):
-        vals = [latest[(kind, p)]["ttft_s"] if (kind, p) in latest else 0 for p in prompts]
-        left.bar([x + 0.4 * (k - 0.5) for x in range(len(prompts))], vals, 0.4, label=kind)
+    for k, (kind, variant) in enumerate(kinds):
+        vals = [latest.get((kind, variant, p), {}).get("ttft_s", 0) for p in prompts]
+        xs = [x + width * (k - (len(kinds) - 1) / 2) for x in range(len(prompts))]
+        left.bar(xs, vals, width, label=f"{kind} ({variant})" if variant else kind)
     left.set_xticks(range(len(prompts)), [f"{p // 1024}K" for p in prompts])
     left.set_ylabel("TTFT s (batch 1)")
     left.legend()
-    rates = [latest.get(("pair", p), {}).get("transfer_gbps", 0) for p in prompts]
-    right.bar(range(len(prompts)), rates)
+    width = 0.8 / max(1, len(pairs))
+    for k, (kind, variant) in enumerate(pairs):
+        rates = [latest.get((kind, variant, p), {}).get("transfer_gbps", 0) for p in prompts]
+        xs = [x + width * (k - (len(pairs) - 1) / 2) for x in range(len(prompts))]
+        right.bar(xs, rates, width, label=variant or "pair")
     right.set_xticks(range(len(prompts)), [f"{p // 1024}K" for p in prompts])
     right.set_ylabel("KV transfer GB/s")
+    if len(pairs) > 1:
+        right.legend()
     fig.suptitle("P/D pair on one GPU, atom transfer backend")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

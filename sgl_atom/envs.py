@@ -138,6 +138,13 @@ SGL_ATOM_PD_STAGING_MB = EnvVar(
     "into a decode rank holding fewer heads is packed into whole decode pages (allocated at the "
     "first such write, on the pool's device; 0: written span by span).",
 )
+SGL_ATOM_PD_NIXL_PROGRESS_THREAD = EnvVar(
+    "SGL_ATOM_PD_NIXL_PROGRESS_THREAD",
+    True,
+    "atom P/D transfer backend: whether each NIXL agent runs NIXL's progress thread (its "
+    "default). Off, the UCX worker progresses only when the backend polls a write or its "
+    "notifications, with no worker lock and no host callbacks of that thread on the copy stream.",
+)
 SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
     "SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS",
     1000,
@@ -177,6 +184,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_PD_WRITE_DELAY_MS,
     SGL_ATOM_PD_TRANSFER_LOG,
     SGL_ATOM_PD_STAGING_MB,
+    SGL_ATOM_PD_NIXL_PROGRESS_THREAD,
     SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS,
     SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS,
     SGL_ATOM_REQUEST_CHECKS,

@@ -102,15 +102,25 @@ class TransferStats:
     @classmethod
     def logged(cls, log: str) -> dict[int, tuple[TransferStats, int]]:
         """room -> (its stats, decode ranks) from a prefill log's SGL_ATOM_PD_TRANSFER_LOG
-        lines (write time to the logged 0.01 ms)."""
+        lines (write and posting times to the logged 0.01 ms)."""
         return {
-            int(room): (cls(int(nbytes), int(descs), float(ms) / 1e3), int(ranks))
-            for room, nbytes, descs, ranks, ms in _TRANSFER_LINE.findall(log)
+            int(room): (
+                cls(
+                    int(nbytes),
+                    int(descs),
+                    float(ms) / 1e3,
+                    int(writes or 0),
+                    float(posting or 0.0) / 1e3,
+                ),
+                int(ranks),
+            )
+            for room, nbytes, descs, ranks, ms, writes, posting in _TRANSFER_LINE.findall(log)
         }
 
 
 _TRANSFER_LINE = re.compile(
     r"room (\d+): (\d+) KV bytes in (\d+) descriptors to (\d+) decode rank\(s\), ([\d.]+) ms"
+    r"(?: writing \([^;]*; (\d+) NIXL writes, ([\d.]+) ms posting\))?"
 )
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sgl_atom import envs
+
 DRAM, VRAM = "DRAM", "VRAM"
 MemKind = tuple[str, int]  # (NIXL memory type, device index)
 _HOST: MemKind = (DRAM, 0)
@@ -97,7 +99,9 @@ class NixlEngine:
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
         nixl_agent, nixl_agent_config = _nixl()
         config = nixl_agent_config(
-            enable_prog_thread=True, enable_listen_thread=False, backends=list(backends)
+            enable_prog_thread=envs.SGL_ATOM_PD_NIXL_PROGRESS_THREAD.get(),
+            enable_listen_thread=False,
+            backends=list(backends),
         )
         try:
             self._agent = nixl_agent(name, config)

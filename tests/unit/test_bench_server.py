@@ -116,10 +116,16 @@ def test_pd_rows_read_the_transfer_lines_the_backend_writes():
     for room in rng.sample(range(1, 1 << 62), 5):
         stats = TransferStats()
         handles = [SimpleNamespace(nbytes=rng.randint(1, 1 << 31), spans=rng.randint(1, 99))]
-        stats.add(handles, rng.uniform(1e-4, 0.5))
+        seconds = rng.uniform(1e-4, 0.5)
+        stats.add(handles, seconds, rng.uniform(0, seconds))
         log.append(f"[12:00:00 sgl_atom] atom P/D: room {room}: {stats.describe(1)}")
         log.append("[12:00:00] Prefill batch, #new-seq: 1")  # other lines are skipped
-        want[room] = (stats.nbytes, stats.descriptors, round(stats.seconds * 1e3, 2))
+        want[room] = (
+            stats.nbytes,
+            stats.descriptors,
+            round(stats.seconds * 1e3, 2),
+            round(stats.posting * 1e3, 2),
+        )
     got = pd.transfers("\n".join(log))
     assert got == want
     moved = list(got.values())
@@ -127,7 +133,55 @@ def test_pd_rows_read_the_transfer_lines_the_backend_writes():
     nbytes = sorted(m[0] for m in moved)[2]
     ms = sorted(m[2] for m in moved)[2]
     assert figures["ttft_s"] == 2.0 and figures["kv_bytes"] == nbytes
+    assert figures["posting_ms"] == sorted(m[3] for m in moved)[2]
     assert figures["transfer_gbps"] == pytest.approx(nbytes / (ms * 1e-3) / 1e9, abs=0.01)
+    # a line of an older prefill, without the writes and posting tail, still reads
+    old = TransferStats.logged(
+        "atom P/D: room 9: 10 KV bytes in 2 descriptors to 1 decode rank(s), 1.50 ms"
+    )
+    assert old[9][0].nbytes == 10 and old[9][0].seconds == pytest.approx(1.5e-3)
+    assert old[9][0].posting == 0.0
+
+
+def test_pd_variants_parse_and_refuse_what_they_cannot_read():
+    got = pd.parse_variants(
+        "base:; rndv:UCX_RNDV_THRESH=0  UCX_RNDV_SCHEME=put_zcopy;w2:X=a=b;tls:UCX_TLS=tcp,self"
+    )
+    assert got == {
+        "base": {},
+        "rndv": {"UCX_RNDV_THRESH": "0", "UCX_RNDV_SCHEME": "put_zcopy"},
+        "w2": {"X": "a=b"},  # the value keeps what follows the first "="
+        "tls": {"UCX_TLS": "tcp,self"},  # and its commas
+    }
+    assert pd.parse_variants("") == {"": {}}
+    assert pd.role("prefill", "") == "prefill" and pd.role("decode", "w2") == "decode-w2"
+    for bad, why in [
+        ("a:X=1;a:Y=2", "given twice"),
+        (":X=1", "needs a name"),
+        ("a b:X=1", "needs a name"),
+        ("a:X", "not KEY=VALUE"),
+        ("a:=1", "not KEY=VALUE"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            pd.parse_variants(bad)
+
+
+def test_pd_table_names_each_variant_and_its_posting_time():
+    rng = random.Random()
+    base = {"model": "m", "batch": 1, "prompt": 4096, "run": "r1"}
+    unified = {**base, "pd": "unified", "ttft_s": rng.uniform(0.1, 0.2)}
+    pairs = [
+        {**base, "pd": "pair", "pd_variant": v, "ttft_s": rng.uniform(0.2, 0.3),
+         "kv_bytes": 2**29, "descriptors": 74, "transfer_ms": 9.0,
+         "posting_ms": round(rng.uniform(1, 8), 2), "transfer_gbps": 59.7}
+        for v in ("zz", "aa")
+    ]  # fmt: skip
+    table = pd.pd_table([pairs[0], unified, pairs[1]])
+    lines = [ln for ln in table.splitlines() if ln.startswith("| m ")]
+    assert [ln.split("|")[3].strip() for ln in lines] == ["unified", "pair (aa)", "pair (zz)"]
+    for p in pairs:
+        line = next(ln for ln in lines if f"pair ({p['pd_variant']})" in ln)
+        assert f"{p['ttft_s'] / unified['ttft_s']:.2f}" in line and str(p["posting_ms"]) in line
 
 
 def test_spec_table_sets_each_dspark_step_beside_both_plain_decodes():

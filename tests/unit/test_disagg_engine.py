@@ -116,7 +116,11 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
     assert coalesce(rows).tolist() == [[0, 100, 16], [16, 200, 8], [40, 208, 8]]
 
 
-def test_write_tp1_to_tp2_head_split_lands_exact_bytes():
+@pytest.mark.parametrize("progress_thread", ["1", "0"])
+def test_write_tp1_to_tp2_head_split_lands_exact_bytes(monkeypatch, progress_thread):
+    """Also with SGL_ATOM_PD_NIXL_PROGRESS_THREAD=0 on both sides (the consumer's process
+    inherits it): the writes land and the notification arrives from polling alone."""
+    monkeypatch.setenv("SGL_ATOM_PD_NIXL_PROGRESS_THREAD", progress_thread)
     plan = plan_transfer(_regions(0, 1), 0, 1, _regions(1, 2), 1, 2)
     assert [p.mode for p in plan.pairs] == ["split", "split"]
     with _head_split(("k", "v"), 0) as (producer, src, dst, conn):
