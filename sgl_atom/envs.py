@@ -141,9 +141,10 @@ SGL_ATOM_PD_STAGING_MB = EnvVar(
 SGL_ATOM_PD_NIXL_PROGRESS_THREAD = EnvVar(
     "SGL_ATOM_PD_NIXL_PROGRESS_THREAD",
     True,
-    "atom P/D transfer backend: whether each NIXL agent runs NIXL's progress thread (its "
-    "default). Off, the UCX worker progresses only when the backend polls a write or its "
-    "notifications, with no worker lock and no host callbacks of that thread on the copy stream.",
+    "atom P/D transfer backend, prefill side: whether the producer's NIXL agent runs NIXL's "
+    "progress thread (its default). Off, its UCX worker progresses only while the writer polls "
+    "its writes: no worker lock and no host callbacks of that thread on the copy stream. A "
+    "decode's agent always keeps the thread (it must take in writes it does not poll for).",
 )
 SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
     "SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS",

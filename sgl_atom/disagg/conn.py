@@ -258,8 +258,14 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             os.environ.get("UCX_NET_DEVICES", "all"),
         )
         self.export = self._describe_pool(args)
-        role = "p" if disaggregation_mode == DisaggregationMode.PREFILL else "d"
-        self.engine = NixlEngine(f"atom-{role}{self.pp_rank}.{self.attn_tp_rank}-{uuid.uuid4()}")
+        producer = disaggregation_mode == DisaggregationMode.PREFILL
+        role = "p" if producer else "d"
+        # A decode's worker must keep progressing to take in writes and notifications that it
+        # does not poll for (over TCP the data itself): it keeps NIXL's progress thread.
+        self.engine = NixlEngine(
+            f"atom-{role}{self.pp_rank}.{self.attn_tp_rank}-{uuid.uuid4()}",
+            progress_thread=envs.SGL_ATOM_PD_NIXL_PROGRESS_THREAD.get() or not producer,
+        )
         self.engine.register({f"r{i}": t for i, t in enumerate(self.export.tensors)})
         self.aux = [
             (int(p), int(n), int(item))

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sgl_atom import envs
-
 DRAM, VRAM = "DRAM", "VRAM"
 MemKind = tuple[str, int]  # (NIXL memory type, device index)
 _HOST: MemKind = (DRAM, 0)
@@ -96,10 +94,16 @@ def coalesce(spans: np.ndarray) -> np.ndarray:
 class NixlEngine:
     """One NIXL agent over UCX moving bytes between registered CPU or GPU buffers."""
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+    def __init__(
+        self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True
+    ):
+        """``progress_thread``: NIXL's progress thread (its default). Without it the agent's
+        UCX worker progresses only while this engine polls (``wait``, ``notified``): right for
+        a producer that polls its writes, not for a target that must take in writes it does
+        not poll for."""
         nixl_agent, nixl_agent_config = _nixl()
         config = nixl_agent_config(
-            enable_prog_thread=envs.SGL_ATOM_PD_NIXL_PROGRESS_THREAD.get(),
+            enable_prog_thread=progress_thread,
             enable_listen_thread=False,
             backends=list(backends),
         )

@@ -91,14 +91,14 @@ def _assert_landed(src: dict, got: dict) -> None:
 
 
 @contextmanager
-def _head_split(names: tuple[str, str], seed: int):
+def _head_split(names: tuple[str, str], seed: int, progress_thread: bool = True):
     """A producer engine with random bf16 K/V registered as ``names`` and a consumer process
     holding 2 of the 4 heads, waiting for b"kv-done": (producer, src, the consumer's {k|v:
     (address, bytes)}, its pipe)."""
     torch.manual_seed(seed)
     src = {k: torch.randn(PAGES * PAGE, HEADS, DIM).to(torch.bfloat16) for k in "kv"}
     proc, conn = _spawn(HEADS // 2, b"kv-done")
-    producer = NixlEngine("producer")
+    producer = NixlEngine("producer", progress_thread=progress_thread)
     try:
         meta, dst = _recv(conn, 30)
         producer.register({name: src[k] for name, k in zip(names, "kv", strict=True)})
@@ -116,14 +116,13 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
     assert coalesce(rows).tolist() == [[0, 100, 16], [16, 200, 8], [40, 208, 8]]
 
 
-@pytest.mark.parametrize("progress_thread", ["1", "0"])
-def test_write_tp1_to_tp2_head_split_lands_exact_bytes(monkeypatch, progress_thread):
-    """Also with SGL_ATOM_PD_NIXL_PROGRESS_THREAD=0 on both sides (the consumer's process
-    inherits it): the writes land and the notification arrives from polling alone."""
-    monkeypatch.setenv("SGL_ATOM_PD_NIXL_PROGRESS_THREAD", progress_thread)
+@pytest.mark.parametrize("progress_thread", [True, False])
+def test_write_tp1_to_tp2_head_split_lands_exact_bytes(progress_thread):
+    """Also with a producer without NIXL's progress thread (SGL_ATOM_PD_NIXL_PROGRESS_THREAD=0
+    on a prefill): its writes land as it polls them, and the notification arrives."""
     plan = plan_transfer(_regions(0, 1), 0, 1, _regions(1, 2), 1, 2)
     assert [p.mode for p in plan.pairs] == ["split", "split"]
-    with _head_split(("k", "v"), 0) as (producer, src, dst, conn):
+    with _head_split(("k", "v"), 0, progress_thread) as (producer, src, dst, conn):
         for name, pair in zip("kv", plan.pairs, strict=True):
             spans = pair.spans(SRC_PAGES, DST_PAGES)
             notif = b"kv-done" if name == "v" else b""
