@@ -23,6 +23,10 @@ from gpu_tier import server_tier_missing
 if server_tier_missing():
     pytest.skip(server_tier_missing(), allow_module_level=True)
 
+# the CPU P/D module's request helpers (MAX_NEW greedy tokens, as the router sends them)
+from test_disagg_serving import DECODE_ARGS, MAX_NEW, _tpf  # noqa: E402
+from test_disagg_serving import _direct_pd as _pd  # noqa: E402
+
 # the tier's feature servers' flags and prompts; PD_ENV: UCX with cuda_ipc / cuda_copy
 from test_server_tier import PD_ENV, SPEC_ARGS, SPEC_PROMPTS  # noqa: E402
 
@@ -30,7 +34,6 @@ from sgl_atom.cpu_mode import cache_dir  # noqa: E402
 from sgl_atom.testing import DSPARK_CHAIN, tiny  # noqa: E402
 from sgl_atom.testing.server import Server  # noqa: E402
 
-MAX_NEW = 16
 DELAY_MS = 6000
 # the decode notices a dead prefill after three missed bootstrap heartbeats 2 s apart
 DECODE_HEARTBEAT = {
@@ -58,7 +61,6 @@ class GpuPair:
 def gpu_pair(gpu_servers) -> GpuPair:
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not importable here: carry part 3 of the GPU bundle")
-    from test_disagg_serving import DECODE_ARGS
     from test_m3_serving import ENV  # sgl_atom.models: the DSpark draft's model class
 
     from sgl_atom.speculative.dspark.algorithm import NAME
@@ -103,13 +105,6 @@ def gpu_pair(gpu_servers) -> GpuPair:
     )  # fmt: skip
 
 
-def _pd(prefill: Server, bootstrap: int, decode: Server, prompt: str, room: int):
-    from sgl_atom.testing.pd import PDRequest
-
-    params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-    return PDRequest(prefill, decode, {"text": prompt, "sampling_params": params}, bootstrap, room)
-
-
 def _served(pair: GpuPair, indices, room0: int) -> list:
     """The pair's (prefill, decode) answers for SPEC_PROMPTS[indices], sent together."""
     pending = [
@@ -140,13 +135,7 @@ def test_fp8_pools_and_draft_regions_match_unified(gpu_pair: GpuPair, report):
     assert not errors, errors[0]
     ids = [g["output_ids"] for g in got]
     same = sum(a == b for a, b in zip(ids, gpu_pair.expected, strict=True))
-
-    def tpf(outs) -> float:
-        return sum(
-            len(o["output_ids"]) / max(1, o["meta_info"].get("spec_verify_ct", 0)) for o in outs
-        ) / len(outs)
-
-    tpf_pd = tpf(got)
+    tpf_pd = _tpf(got)
     log = gpu_pair.prefill.log_text()
     report(
         f"GPU P/D atom, fp8 KV + fp8 DSpark draft pools: {same}/{len(ids)} greedy outputs equal "
