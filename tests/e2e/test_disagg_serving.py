@@ -53,11 +53,11 @@ SPEC_ENV = {
 # Decode notices a dead prefill after three missed heartbeats 2 s apart (SGLang's floor is
 # 2 s): a killed prefill fails its requests within ~6 s, and a bootstrap server that answers
 # one /health late (over 3 s, on two loaded cores) fails nothing.
-DECODE_ENV = {
-    **SPEC_ENV,
+FAST_HEARTBEAT = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "3",
 }
+DECODE_ENV = {**SPEC_ENV, **FAST_HEARTBEAT}
 SLOW_WRITE_MS = 6000
 # The PP2 prefill's stages hold layers 0..2 and 3: the draft's tap 1 (the stream entering layer
 # 2) is captured on stage 0 and travels to the last stage with the pipeline payload.

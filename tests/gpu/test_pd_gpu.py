@@ -24,7 +24,8 @@ if server_tier_missing():
     pytest.skip(server_tier_missing(), allow_module_level=True)
 
 # the CPU P/D module's request helpers (MAX_NEW greedy tokens, as the router sends them)
-from test_disagg_serving import DECODE_ARGS, MAX_NEW, _tpf  # noqa: E402
+# FAST_HEARTBEAT: the decode notices a dead prefill after three missed heartbeats 2 s apart
+from test_disagg_serving import DECODE_ARGS, FAST_HEARTBEAT, MAX_NEW, _tpf  # noqa: E402
 from test_disagg_serving import _direct_pd as _pd  # noqa: E402
 
 # the tier's feature servers' flags and prompts; PD_ENV: UCX with cuda_ipc / cuda_copy
@@ -35,11 +36,6 @@ from sgl_atom.testing import DSPARK_CHAIN, tiny  # noqa: E402
 from sgl_atom.testing.server import Server  # noqa: E402
 
 DELAY_MS = 6000
-# the decode notices a dead prefill after three missed bootstrap heartbeats 2 s apart
-DECODE_HEARTBEAT = {
-    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
-    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "3",
-}
 # a write that cannot land (its decode is gone) fails its room after this many seconds at most
 TRANSFER_TIMEOUT_S = 20
 LOST_PREFILL_BOUND_S = 30.0
@@ -89,13 +85,13 @@ def gpu_pair(gpu_servers) -> GpuPair:
             [*fp8, *prefill_args(bp), *nccl()],
             {**pd_env, "SGL_ATOM_PD_TRANSFER_LOG": "1"},
         ),
-        "decode": (target, [*decode, *nccl()], {**pd_env, **DECODE_HEARTBEAT}),
+        "decode": (target, [*decode, *nccl()], {**pd_env, **FAST_HEARTBEAT}),
         "slow_prefill": (
             target,
             [*fp8, *prefill_args(slow_bp), *nccl()],
             {**pd_env, "SGL_ATOM_PD_WRITE_DELAY_MS": str(DELAY_MS)},
         ),
-        "doomed_decode": (target, [*decode, *nccl()], {**pd_env, **DECODE_HEARTBEAT}),
+        "doomed_decode": (target, [*decode, *nccl()], {**pd_env, **FAST_HEARTBEAT}),
     }
     s = gpu_servers.start_many(jobs, timeout=600)
     outs = s["unified"].generate(SPEC_PROMPTS, max_new_tokens=MAX_NEW)
