@@ -146,6 +146,14 @@ SGL_ATOM_PD_NIXL_PROGRESS_THREAD = EnvVar(
     "its writes: no worker lock and no host callbacks of that thread on the copy stream. A "
     "decode's agent always keeps the thread (it must take in writes it does not poll for).",
 )
+SGL_ATOM_PD_CUDA_IPC = EnvVar(
+    "SGL_ATOM_PD_CUDA_IPC",
+    True,
+    "atom P/D transfer backend: a decode rank whose pool is in GPU memory shares it through CUDA "
+    "IPC in its handshake, and a prefill rank on the same GPU (or a GPU of the same host) writes "
+    "the KV with one copy kernel per chunk instead of NIXL (the metadata buffers stay on NIXL). "
+    "0 on either side: NIXL only.",
+)
 SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS = EnvVar(
     "SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS",
     1000,
@@ -186,6 +194,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_PD_TRANSFER_LOG,
     SGL_ATOM_PD_STAGING_MB,
     SGL_ATOM_PD_NIXL_PROGRESS_THREAD,
+    SGL_ATOM_PD_CUDA_IPC,
     SGL_ATOM_PD_HEARTBEAT_INTERVAL_MS,
     SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS,
     SGL_ATOM_REQUEST_CHECKS,

@@ -54,10 +54,11 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 
 from sgl_atom import envs
-from sgl_atom.disagg import wire
+from sgl_atom.disagg import ipc, wire
 from sgl_atom.disagg.bind import control_plane_address
 from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
+from sgl_atom.disagg.ipc import IpcError, IpcWrite, IpcWriter
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError
@@ -75,18 +76,22 @@ BACKEND = "atom"
 class TransferStats:
     """What one request's KV writes moved: bytes, NIXL descriptors (after coalescing) and
     WRITEs, the seconds from posting each chunk's writes to their landing, and of those the
-    seconds until the last one was posted (the posting's own cost, staged rounds included)."""
+    seconds until the last one was posted (the posting's own cost, staged rounds included), and
+    the CUDA IPC copy launches (:mod:`sgl_atom.disagg.ipc`; their spans count as descriptors)."""
 
     nbytes: int = 0
     descriptors: int = 0
     seconds: float = 0.0
     writes: int = 0
     posting: float = 0.0
+    ipc: int = 0
 
     def add(self, handles: list[Any], seconds: float, posting: float = 0.0) -> None:
         self.nbytes += sum(h.nbytes for h in handles)
         self.descriptors += sum(h.spans for h in handles)
-        self.writes += len(handles)
+        copies = sum(isinstance(h, IpcWrite) for h in handles)
+        self.writes += len(handles) - copies
+        self.ipc += copies
         self.seconds += seconds
         self.posting += posting
 
@@ -96,7 +101,7 @@ class TransferStats:
         return (
             f"{self.nbytes} KV bytes in {self.descriptors} descriptors to {ranks} decode "
             f"rank(s), {self.seconds * 1e3:.2f} ms writing ({rate:.3g} GB/s; {self.writes} "
-            f"NIXL writes, {self.posting * 1e3:.2f} ms posting)"
+            f"NIXL writes, {self.posting * 1e3:.2f} ms posting; {self.ipc} CUDA IPC copies)"
         )
 
     @classmethod
@@ -111,16 +116,19 @@ class TransferStats:
                     float(ms) / 1e3,
                     int(writes or 0),
                     float(posting or 0.0) / 1e3,
+                    int(copies or 0),
                 ),
                 int(ranks),
             )
-            for room, nbytes, descs, ranks, ms, writes, posting in _TRANSFER_LINE.findall(log)
+            for room, nbytes, descs, ranks, ms, writes, posting, copies in _TRANSFER_LINE.findall(
+                log
+            )
         }
 
 
 _TRANSFER_LINE = re.compile(
     r"room (\d+): (\d+) KV bytes in (\d+) descriptors to (\d+) decode rank\(s\), ([\d.]+) ms"
-    r"(?: writing \([^;]*; (\d+) NIXL writes, ([\d.]+) ms posting\))?"
+    r"(?: writing \([^;]*; (\d+) NIXL writes, ([\d.]+) ms posting(?:; (\d+) CUDA IPC copies)?\))?"
 )
 
 
@@ -235,6 +243,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
 
     kv_status_msg_tag = b"ATOM_STATUS"
     kv_status_msg_carries_reason = True
+    ipc: IpcWriter | None = None  # producer: CUDA IPC writes into same-GPU decode pools
 
     def __init__(
         self,
@@ -386,6 +395,10 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         if staging < 0:
             raise ValueError(f"SGL_ATOM_PD_STAGING_MB={staging}: give MiB >= 0 (0: no staging)")
         self.stager = Stager(self.engine, self.export.tensors, staging << 20)  # writer thread
+        on_gpu = bool(self.export.tensors) and self.export.tensors[0].is_cuda
+        self.ipc = (
+            IpcWriter(self.export.tensors) if on_gpu and envs.SGL_ATOM_PD_CUDA_IPC.get() else None
+        )
         self._start_thread(self._producer_control_loop, "atom-pd-control")
         self._start_thread(self._producer_worker_loop, "atom-pd-worker")
         self.sender_rooms = set()
@@ -437,13 +450,36 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         self.peers[hs.agent_name] = _Peer(hs, plan)
         modes = sorted({p.mode for p in plan.pairs})
         logger.info(
-            "atom P/D: accepted decode rank tp %d/%d (%s): %d region pairs, %s",
+            "atom P/D: accepted decode rank tp %d/%d (%s): %d region pairs, %s, KV through %s",
             hs.tp_rank,
             hs.tp_size,
             hs.agent_name,
             len(plan.pairs),
             ",".join(modes) or "nothing to send",
+            self._map_peer(hs),
         )
+
+    def _map_peer(self, hs: wire.Handshake) -> str:
+        """Map a consumer's shared buffers for CUDA IPC writes where it can (same host and GPU,
+        or a GPU of this host); what carries its KV: "CUDA IPC" or "NIXL"."""
+        if self.ipc is None or not hs.ipc_regions:
+            return "NIXL"
+        try:
+            mapped = ipc.open_peer(hs)
+        except IpcError as e:
+            logger.warning(
+                "atom P/D: decode rank tp %d/%d (%s) shares its pool through CUDA IPC, but it "
+                "cannot be mapped here (%s): its KV goes through NIXL",
+                hs.tp_rank,
+                hs.tp_size,
+                hs.agent_name,
+                e,
+            )
+            return "NIXL"
+        if mapped is None:
+            return "NIXL (its GPU is not one of this process's)"
+        self.ipc.add(hs.agent_name, mapped)
+        return f"CUDA IPC ({len(mapped)} buffers mapped; metadata through NIXL)"
 
     def _claimed_by_another(self, hs: wire.Handshake) -> bool:
         """An agent name is bound to its first handshake (names carry a per-boot uuid): the
@@ -571,6 +607,9 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 delay_ms,
             )
             time.sleep(delay_ms / 1000)
+        why = self._room_failed(chunk.room)
+        if why:  # a copy into a mapped pool would land even for a decode that is gone
+            raise AtomTransferError(f"room {chunk.room}: {why} before its KV was written")
         src_pages = [int(p) for p in chunk.prefill_kv_indices]
         timeout = float(envs.SGL_ATOM_PD_TRANSFER_TIMEOUT.get())
         for agent, req in infos.items():
@@ -584,7 +623,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 )
             t0 = time.perf_counter()
             abandon = partial(self._room_failed, chunk.room)
-            wait = partial(self.engine.wait, timeout_s=timeout, abandon=abandon)
+            wait = partial(self._wait, timeout_s=timeout, abandon=abandon)
             landed, handles = self._post_kv(peer, src_pages, dst_pages, wait)
             if chunk.is_last_chunk and self.is_last_stage and chunk.prefill_aux_index is not None:
                 handles += self._post_aux(peer, int(chunk.prefill_aux_index), req.aux_index)
@@ -593,6 +632,29 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 wait(h)
             stats = self.room_stats.setdefault(chunk.room, TransferStats())
             stats.add(landed + handles, time.perf_counter() - t0, posted - t0)
+
+    def _wait(self, handle: Any, **kwargs: Any) -> None:
+        if isinstance(handle, IpcWrite):
+            assert self.ipc is not None
+            self.ipc.wait(handle, **kwargs)
+        else:
+            self.engine.wait(handle, **kwargs)
+
+    def _sweep_orphans(self, now: float) -> None:
+        """Also close the CUDA IPC mappings of decodes silent past the heartbeat timeout (a
+        mapping keeps their memory allocated after they exit)."""
+        super()._sweep_orphans(now)
+        if self.ipc is None or self.room_claims is None:
+            return
+        for agent in self.room_claims.silent(self.ipc.peers(), now):
+            if self.ipc.close(agent):
+                logger.warning(
+                    "atom P/D: decode %s sent no heartbeat for longer than "
+                    "SGL_ATOM_PD_HEARTBEAT_TIMEOUT_MS: its CUDA IPC mappings are closed (its "
+                    "memory is freed once it exits); should it answer again, its KV goes "
+                    "through NIXL",
+                    agent,
+                )
 
     def _room_failed(self, room: int) -> str | None:
         """Why a write for ``room`` is no longer worth waiting for: the room failed (its
@@ -609,6 +671,13 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         if not src:
             return [], []
         src_arr, dst_arr = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        if self.ipc is not None and self.ipc.has(peer.hs.agent_name):
+            copies = [
+                (spans, pair.producer_index, pair.consumer_index)
+                for pair in peer.plan.pairs
+                if len(spans := pair.spans(src_arr, dst_arr))
+            ]
+            return [], [self.ipc.write(peer.hs.agent_name, copies)] if copies else []
         items, packed = [], []
         for pair in peer.plan.pairs:
             addr = peer.hs.region_addrs[pair.consumer_index]
@@ -654,7 +723,24 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
                 bootstrap_room=room, status=status, prefill_rank=prefill_rank, failure_reason=reason
             )
 
+    def _ipc_share(self) -> tuple[str, tuple[wire.CudaIpcRegion, ...]]:
+        """(GPU UUID, shared buffers) of this rank's pool for a producer on the same GPU; empty
+        when off, on CPU, or when torch cannot share it (logged once). Shared once per boot."""
+        share = getattr(self, "_ipc_shared", None)
+        if share is not None:
+            return share
+        share = ("", ())
+        tensors = self.export.tensors
+        if envs.SGL_ATOM_PD_CUDA_IPC.get() and tensors and tensors[0].is_cuda:
+            try:
+                share = ipc.export_regions(tensors)
+            except IpcError as e:
+                logger.warning("atom P/D: the pool cannot be shared through CUDA IPC (%s)", e)
+        self._ipc_shared = share
+        return share
+
     def build_receiver_registration_message(self) -> list[bytes]:
+        uuid_, shared = self._ipc_share()
         hs = wire.Handshake(
             role="consumer",
             tp_rank=self.attn_tp_rank,
@@ -673,6 +759,8 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             aux=tuple(self.aux),
             status_host=self.local_ip,
             status_port=int(self.rank_port),
+            device_uuid=uuid_,
+            ipc_regions=shared,
         )
         return [TAG, wire.encode(hs)]
 

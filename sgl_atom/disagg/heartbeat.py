@@ -94,6 +94,13 @@ class RoomClaims:
         with self._lock:
             self._claims[agent] = (now, frozenset(rooms))
 
+    def silent(self, agents: list[str], now: float) -> list[str]:
+        """Of ``agents``, those that sent a heartbeat once and none within the timeout."""
+        with self._lock:
+            return [
+                a for a in agents if a in self._claims and now - self._claims[a][0] > self.timeout_s
+            ]
+
     def orphans(self, waiting: set[int], now: float) -> dict[int, str]:
         """Of the rooms ``waiting`` for their decode, those to fail, room -> why: held by no
         decode heard within the timeout after one did hold it, or never held for twice the

@@ -135,6 +135,25 @@ Region = Annotated[
 
 
 @dataclass(frozen=True)
+class CudaIpcRegion:
+    """A consumer region's buffer as CUDA IPC shares it (torch's ``reduce_tensor`` of the
+    buffer's flat bytes): the allocation's handle, the storage's place in it, the buffer's byte
+    offset in the storage and its length, torch's reference counter and its ready event."""
+
+    __pydantic_config__ = _CONFIG
+    device: Rank
+    handle: Blob
+    storage_bytes: UInt64
+    storage_offset: UInt64
+    offset: UInt64
+    nbytes: UInt64
+    ref_counter: Blob
+    ref_counter_offset: UInt64
+    event: Blob
+    event_sync: Bool
+
+
+@dataclass(frozen=True)
 class Handshake:
     """A rank's description of itself: its place in TP/PP, its regions, its transfer agent.
 
@@ -145,6 +164,9 @@ class Handshake:
     first output token and its logprobs), copied whole per request. status_host/status_port:
     where the producer reports a room's outcome (a consumer's control socket). region_devices:
     the CUDA device of each region's buffer, -1 for host memory; empty: all host memory.
+    device_uuid: the UUID of the GPU holding the regions; ipc_regions: each region's buffer as
+    CUDA IPC shares it (same order as regions), for a producer on the same host and GPU to map
+    and write directly (:mod:`sgl_atom.disagg.ipc`); empty: NIXL only.
     """
 
     __pydantic_config__ = _CONFIG
@@ -163,6 +185,8 @@ class Handshake:
     status_host: Name = ""
     status_port: Annotated[Int, Field(ge=0, le=65535)] = 0
     region_devices: Annotated[tuple[Device, ...], Field(max_length=MAX_REGIONS)] = ()
+    device_uuid: Name = ""
+    ipc_regions: Annotated[tuple[CudaIpcRegion, ...], Field(max_length=MAX_REGIONS)] = ()
 
 
 @dataclass(frozen=True)

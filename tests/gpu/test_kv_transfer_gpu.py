@@ -56,3 +56,9 @@ def test_gpu_split_and_merge(layout_case, consumer):
 @pytest.mark.parametrize("page_size", [1, 16, 128], ids=lambda p: f"p{p}")
 def test_gpu_whole_copy(page_size):
     check_whole_copy(torch.float8_e4m3fn, 128, page_size, "cuda", num_pages=257, n=100)
+
+
+@pytest.mark.parametrize("align", [1, 8], ids=lambda a: f"align{a}")
+def test_gpu_copy_spans(align):
+    # on CUDA the long span is several programs' pieces
+    _u.test_copy_spans_matches_reference(align)

@@ -2,9 +2,10 @@
 with ATOM_DSPARK's fp8 draft regions, and the faults that tests/e2e checks on CPU.
 
 Servers of the word-chain llama target, side by side, each capped by ``--max-total-tokens``:
-a unified server (the reference), a prefill and a decode over the atom transfer backend (UCX
-with its CUDA transports), a prefill that waits before each chunk's writes
-(``SGL_ATOM_PD_WRITE_DELAY_MS``, so a kill lands mid-transfer), and a decode that is killed.
+a unified server (the reference), a prefill and a decode over the atom transfer backend (NIXL,
+UCX with its CUDA transports: ``SGL_ATOM_PD_CUDA_IPC=0`` on that prefill), a prefill that waits
+before each chunk's writes (``SGL_ATOM_PD_WRITE_DELAY_MS``, so a kill lands mid-transfer) and
+writes through CUDA IPC (the default), and a decode that is killed.
 Every server runs fp8 KV (per-token-head scales) and ATOM_DSPARK with an fp8 draft pool, so the
 pair moves the target's K/V, its scales and the draft's K/V and scales.
 """
@@ -83,7 +84,8 @@ def gpu_pair(gpu_servers) -> GpuPair:
         "prefill": (
             target,
             [*fp8, *prefill_args(bp), *nccl()],
-            {**pd_env, "SGL_ATOM_PD_TRANSFER_LOG": "1"},
+            # NIXL between the GPU pools (the server tier's pair and the faults here: CUDA IPC)
+            {**pd_env, "SGL_ATOM_PD_TRANSFER_LOG": "1", "SGL_ATOM_PD_CUDA_IPC": "0"},
         ),
         "decode": (target, [*decode, *nccl()], {**pd_env, **FAST_HEARTBEAT}),
         "slow_prefill": (
@@ -141,6 +143,7 @@ def test_fp8_pools_and_draft_regions_match_unified(gpu_pair: GpuPair, report):
     # per layer of the tiny target: K, V and their scales; then the draft's 2 layers x (K, V,
     # K scale, V scale)
     assert "24 regions (layers 0..3), 8 of them draft" in log, log[-3000:]
+    assert "KV through NIXL" in log, log[-3000:]
     # SGL_ATOM_PD_TRANSFER_LOG: one line per request once its KV landed
     moved = list(TransferStats.logged(log).values())
     assert len(moved) >= len(SPEC_PROMPTS), log[-3000:]

@@ -250,7 +250,8 @@ def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype):
 
 def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
     """A prefill and a decode server on one card (each capped by --max-total-tokens), atom
-    backend and atom transfer backend (NIXL, GPU pools): every greedy output equals the unified
+    backend and atom transfer backend (GPU pools, the KV through CUDA IPC, the metadata through
+    NIXL): every greedy output equals the unified
     server's. The requests carry the bootstrap fields as SGLang's PD router sends them (the
     router binary is not carried to the device)."""
     if importlib.util.find_spec("nixl") is None:
@@ -290,6 +291,8 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
            f"in {seconds:.1f}s; soak {SOAK_REQUESTS} requests at concurrency {SOAK_CONCURRENCY}: "
            f"{soak_same} equal unified, 0 errors, in {soak_s:.1f}s")  # fmt: skip
     assert "regions (layers 0..3)" in logs[0], logs[0][-3000:]
+    # same GPU: the decode's pool is mapped and written by one copy kernel per chunk
+    assert "KV through CUDA IPC" in logs[0], logs[0][-3000:]
     assert same == len(want) and soak_same == SOAK_REQUESTS and healthy
 
 

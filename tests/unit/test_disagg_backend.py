@@ -400,23 +400,54 @@ def test_control_socket_drops_frames_over_the_wire_limit():
 
 def test_transfer_stats_sum_the_writes_of_every_chunk():
     from sgl_atom.disagg.conn import TransferStats
+    from sgl_atom.disagg.ipc import IpcWrite
 
     rng = random.Random()
-    stats, total, descs, secs, writes, posting = TransferStats(), 0, 0, 0.0, 0, 0.0
+    stats, total, descs, secs, writes, posting, copies = TransferStats(), 0, 0, 0.0, 0, 0.0, 0
     for _ in range(rng.randint(1, 5)):  # chunks
         handles = [
             SimpleNamespace(nbytes=rng.randint(1, 1 << 30), spans=rng.randint(1, 64))
-            for _ in range(rng.randint(1, 4))
+            for _ in range(rng.randint(0, 4))
+        ] + [
+            IpcWrite("d", rng.randint(1, 64), rng.randint(1, 1 << 30), None, "DONE")
+            for _ in range(rng.randint(0, 2))
         ]
         dt = rng.uniform(1e-4, 0.1)
         post = rng.uniform(0, dt)
         stats.add(handles, dt, post)
         total += sum(h.nbytes for h in handles)
         descs += sum(h.spans for h in handles)
-        secs, writes, posting = secs + dt, writes + len(handles), posting + post
+        ipc = sum(isinstance(h, IpcWrite) for h in handles)
+        secs, writes, posting = secs + dt, writes + len(handles) - ipc, posting + post
+        copies += ipc
     line = stats.describe(2)
-    assert (stats.nbytes, stats.descriptors, stats.writes) == (total, descs, writes)
+    assert (stats.nbytes, stats.descriptors, stats.writes, stats.ipc) == (
+        total,
+        descs,
+        writes,
+        copies,
+    )
     assert stats.seconds == pytest.approx(secs) and stats.posting == pytest.approx(posting)
     assert line.startswith(f"{total} KV bytes in {descs} descriptors to 2 decode rank(s), ")
     assert f"({total / secs / 1e9:.3g} GB/s; {writes} NIXL writes, " in line
-    assert line.endswith(f", {posting * 1e3:.2f} ms posting)")
+    assert line.endswith(f", {posting * 1e3:.2f} ms posting; {copies} CUDA IPC copies)")
+    ((back, ranks),) = TransferStats.logged(f"atom P/D: room 7: {line}").values()
+    assert ranks == 2 and (back.nbytes, back.writes, back.ipc) == (total, writes, copies)
+
+
+def test_ipc_peer_is_refused_when_its_shares_disagree_with_its_regions():
+    """A handshake whose shared buffers do not match its regions is refused before any mapping
+    (the producer then writes through NIXL); one without shares, or without a UUID this
+    process sees, maps nothing."""
+    from sgl_atom.disagg import ipc
+    from sgl_atom.disagg.wire import CudaIpcRegion, Handshake
+
+    share = CudaIpcRegion(0, b"h" * 64, 1 << 20, 0, 0, 4096, b"/rc", 0, b"", False)
+    base = dict(role="consumer", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, stage_layers=(0, 2),
+                regions=(), region_addrs=(), agent_name="d0", agent_metadata=b"")  # fmt: skip
+    assert ipc.open_peer(Handshake(**base)) is None
+    hs = Handshake(**base, region_bytes=(), device_uuid="GPU-x", ipc_regions=(share,))
+    with pytest.raises(ipc.IpcError, match="1 shared buffers and 0 sizes for 0 regions"):
+        ipc.open_peer(hs)
+    with pytest.raises(ipc.IpcError, match="overruns its storage"):
+        ipc.open_region(CudaIpcRegion(0, b"h", 100, 0, 64, 64, b"", 0, b"", False), 0)

@@ -30,6 +30,7 @@ from sgl_atom.disagg import (
     plan_transfer,
     wire,
 )
+from sgl_atom.disagg.wire import CudaIpcRegion
 from sgl_atom.parallel_layout import heads_of_rank
 
 K = RegionKind
@@ -416,6 +417,26 @@ def _messages() -> list:
             region_devices=tuple(i % 3 - 1 for i in range(len(regions))),  # host, cuda:0, cuda:1
         ),
         Handshake("consumer", 3, 4, 0, 1, (0, 0), (), (), "", b""),
+        Handshake(
+            "consumer",
+            0,
+            1,
+            0,
+            1,
+            (0, 4),
+            regions[:2],
+            (1 << 40, 2 << 40),
+            "d0",
+            b"m",
+            region_bytes=(4096, 8192),
+            device_uuid="GPU-1234",
+            ipc_regions=tuple(
+                CudaIpcRegion(
+                    0, bytes([i]) * 64, 1 << 30, 512, 4096 * i, n, b"/torch_rc", 8, b"", i == 1
+                )
+                for i, n in enumerate((4096, 8192))
+            ),
+        ),  # fmt: skip
         TransferRequest(2**64 - 1, 3, (5, 0, 2**31 - 1), 1, 1),
         TransferRequest(0, 0, (), 0, 4),
         TransferStatus(7, "done"),

@@ -76,6 +76,17 @@ def test_room_claims_keep_held_rooms_and_forget_finished_ones():
     assert set(claims.orphans({7}, now=12.0)) == {7}
 
 
+def test_room_claims_name_silent_decodes():
+    claims = RoomClaims(timeout_s=2.0)
+    claims.heard("d0", (), now=0.0)
+    claims.heard("d1", (3,), now=1.5)
+    assert claims.silent(["d0", "d1", "never"], now=1.9) == []
+    # d0 silent past the timeout; a decode never heard from is not named (no heartbeats at all)
+    assert claims.silent(["d0", "d1", "never"], now=2.5) == ["d0"]
+    claims.heard("d0", (), now=3.0)
+    assert claims.silent(["d0", "d1"], now=4.0) == ["d1"]
+
+
 def test_missing_rooms_fail_once_after_twice_the_timeout():
     missing = MissingRooms(timeout_s=2.0)
     assert missing.report("p:1", (5, 6), now=0.0) == {}

@@ -217,3 +217,80 @@ def test_layout_errors():
             torch.empty(4096, dtype=torch.uint8),
             page_size=16,
         )
+
+
+def random_jobs(dev: str, gen: torch.Generator, align: int, long_span: int):
+    """Spans between three sources and two destinations, each span's destination bytes its own
+    (a later span never overwrites an earlier one), offsets and lengths multiples of ``align``,
+    one span ``long_span`` bytes (more than a program's piece when large)."""
+    import numpy as np
+
+    srcs = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).to(dev)
+        for n in (long_span + 4096, 9000, 1000)
+    ]
+    dsts = [poisoned((n,), torch.uint8, dev) for n in (long_span + 8192, 6000)]
+    free = [list(range(0, d.numel() // 256)) for d in dsts]  # 256-byte destination slots
+    jobs = []
+    for si, di, k, length in ((0, 0, 1, long_span), (1, 0, 9, 200), (2, 1, 7, 64), (1, 1, 5, 120)):
+        rows = []
+        for _ in range(k):
+            slots = (length + 255) // 256
+            pick = int(torch.randint(0, len(free[di]) - slots, (1,), generator=gen))
+            if free[di][pick + slots - 1] - free[di][pick] != slots - 1:
+                continue  # not contiguous free slots: skip this span
+            dst_off = free[di][pick] * 256
+            del free[di][pick : pick + slots]
+            src_max = (srcs[si].numel() - length) // align
+            src_off = int(torch.randint(0, src_max + 1, (1,), generator=gen)) * align
+            rows.append((src_off, dst_off, length // align * align))
+        jobs.append((srcs[si], dsts[di], np.array(rows, dtype=np.int64).reshape(-1, 3)))
+    return srcs, dsts, jobs
+
+
+@pytest.mark.parametrize("align", [1, 2, 8], ids=lambda a: f"align{a}")
+def test_copy_spans_matches_reference(align):
+    """Every span lands byte-exact, in one launch; the rest of each destination keeps its poison."""
+    dev = device()
+    gen = torch.Generator().manual_seed(align)
+    long_span = (1 << 16) * 8 + 40 if dev == "cuda" else 3 * 1024 + 8  # several pieces on CUDA
+    srcs, dsts, jobs = random_jobs(dev, gen, align, long_span)
+    expect = [d.clone() for d in dsts]
+    for s, d, rows in jobs:
+        e = expect[next(i for i, x in enumerate(dsts) if x is d)]
+        for a, b, n in rows.tolist():
+            e[b : b + n] = s[a : a + n]
+    moved = kt.copy_spans(jobs)
+    assert moved == sum(int(r[:, 2].sum()) for _, _, r in jobs)
+    for got, want in zip(dsts, expect, strict=True):
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_copy_spans_pieces_and_width():
+    """Long spans are cut into pieces of at most _PIECE elements that cover them exactly; the
+    element is the widest dividing every address and length."""
+    import numpy as np
+    from sgl_atom.kernels.kv_transfer import spans as sp
+
+    src, dst = torch.zeros(1 << 22, dtype=torch.uint8), torch.zeros(1 << 22, dtype=torch.uint8)
+    rows = np.array([[0, 8, sp._PIECE * 8 * 2 + 16], [1 << 21, 0, 8]], dtype=np.int64)
+    _, _, table, width = sp.piece_table([(src, dst, rows)])
+    assert width == 8 and table.shape[1] == 4
+    assert table[2].tolist() == [sp._PIECE, sp._PIECE, 2, 1]
+    assert table[0].tolist()[:3] == [0, sp._PIECE, 2 * sp._PIECE]
+    rows[1, 2] = 6  # a 6-byte span: 2-byte elements
+    assert sp.piece_table([(src, dst, rows)])[3] == 2
+
+
+def test_copy_spans_refuses_out_of_bounds_before_copying():
+    import numpy as np
+
+    dev = device()
+    src = torch.randint(0, 256, (256,), dtype=torch.uint8).to(dev)
+    dst = poisoned((128,), torch.uint8, dev)
+    before = dst.clone()
+    good = np.array([[0, 0, 64]], dtype=np.int64)
+    bad = np.array([[0, 100, 64]], dtype=np.int64)  # writes past dst
+    with pytest.raises(AssertionError, match="writes past dst"):
+        kt.copy_spans([(src, dst, good), (src, dst, bad)])
+    assert torch.equal(dst, before)
