@@ -165,6 +165,13 @@ class IpcWriter:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._peers: dict[str, list[torch.Tensor]] = {}
         self._lock = threading.Lock()  # mapping and closing (heartbeat thread) vs writing
+        if self.stream is not None:  # compile the copy kernel now, not at the first request
+            from sgl_atom.kernels.kv_transfer import copy_spans
+
+            scratch = torch.zeros(64, dtype=torch.uint8, device=self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                copy_spans([(scratch, scratch, np.array([[0, 32, 32]], dtype=np.int64))])
+            self.stream.synchronize()
 
     def add(self, peer: str, mapped: list[torch.Tensor]) -> None:
         with self._lock:
@@ -204,7 +211,7 @@ class IpcWriter:
             spans = sum(len(r) for _, _, r in jobs)
             assert self.stream is not None
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 nbytes = copy_spans(jobs)
                 event = torch.cuda.Event()
                 event.record(self.stream)
