@@ -24,7 +24,7 @@ _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8
 Job = tuple[torch.Tensor, torch.Tensor, np.ndarray]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pieces"])  # one compiled variant per element width
 def copy_pieces_kernel(src_ptr, dst_ptr, table_ptr, num_pieces, BLOCK: tl.constexpr):
     """Program p copies piece p: table rows (src element, dst element, elements) at
     table_ptr + p, + num_pieces + p, + 2 * num_pieces + p."""
@@ -61,6 +61,25 @@ def _check(src: torch.Tensor, dst: torch.Tensor, rows: np.ndarray) -> np.ndarray
     return r
 
 
+def plan_pieces(
+    src_off: np.ndarray, dst_off: np.ndarray, lens: np.ndarray, src_ptr: int, dst_ptr: int
+) -> tuple[np.ndarray, int]:
+    """([3, P] int64 table of pieces in elements, element width) for spans at byte offsets from
+    two base addresses."""
+    bases = np.array([src_ptr, dst_ptr], dtype=np.int64)
+    width, _ = _width(np.concatenate([src_off, dst_off, lens, bases]))
+    src_el, dst_el, n_el = src_off // width, dst_off // width, lens // width
+    pieces = (n_el + _PIECE - 1) // _PIECE
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    k = np.arange(int(pieces.sum()), dtype=np.int64) - first  # piece number within its span
+    span = np.repeat(np.arange(len(lens)), pieces)
+    start = k * _PIECE
+    table = np.stack(
+        [src_el[span] + start, dst_el[span] + start, np.minimum(n_el[span] - start, _PIECE)]
+    )
+    return table, width
+
+
 def piece_table(jobs: Sequence[Job]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
     """(source base buffer, destination base buffer, [3, P] int64 table of pieces in elements,
     element width) for ``jobs`` (at least one span in all)."""
@@ -70,20 +89,10 @@ def piece_table(jobs: Sequence[Job]) -> tuple[torch.Tensor, torch.Tensor, np.nda
     src_base = min((s for s, _, _ in checked), key=lambda t: t.data_ptr())
     dst_base = min((d for _, d, _ in checked), key=lambda t: t.data_ptr())
     s0, d0 = src_base.data_ptr(), dst_base.data_ptr()
-    src_abs = np.concatenate([r[:, 0] + (s.data_ptr() - s0) for s, _, r in checked])
-    dst_abs = np.concatenate([r[:, 1] + (d.data_ptr() - d0) for _, d, r in checked])
+    src_off = np.concatenate([r[:, 0] + (s.data_ptr() - s0) for s, _, r in checked])
+    dst_off = np.concatenate([r[:, 1] + (d.data_ptr() - d0) for _, d, r in checked])
     lens = np.concatenate([r[:, 2] for _, _, r in checked])
-    bases = np.array([s0, d0], dtype=np.int64)
-    width, _ = _width(np.concatenate([src_abs, dst_abs, lens, bases]))
-    src_el, dst_el, n_el = src_abs // width, dst_abs // width, lens // width
-    pieces = (n_el + _PIECE - 1) // _PIECE
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    k = np.arange(int(pieces.sum()), dtype=np.int64) - first  # piece number within its span
-    span = np.repeat(np.arange(len(lens)), pieces)
-    start = k * _PIECE
-    table = np.stack(
-        [src_el[span] + start, dst_el[span] + start, np.minimum(n_el[span] - start, _PIECE)]
-    )
+    table, width = plan_pieces(src_off, dst_off, lens, s0, d0)
     return src_base, dst_base, table, width
 
 
@@ -91,17 +100,36 @@ def _typed(base: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     return base[: base.numel() // width * width].view(dtype)
 
 
-def copy_spans(jobs: Sequence[Job]) -> int:
-    """Copy every job's spans on the current stream, in one launch; returns the bytes copied.
-    Nothing is read or written outside each job's own buffers (checked before the launch)."""
-    if not any(len(np.asarray(r).reshape(-1, 3)) for _, _, r in jobs):
-        return 0
-    src_base, dst_base, table, width = piece_table(jobs)
+def _launch(src_base: torch.Tensor, dst_base: torch.Tensor, table: np.ndarray, width: int) -> int:
     dtype = dict(_WIDTHS)[width]
-    device = src_base.device
-    t = torch.from_numpy(np.ascontiguousarray(table)).to(device, non_blocking=False)
+    t = torch.from_numpy(np.ascontiguousarray(table)).to(src_base.device)
     n = table.shape[1]
     copy_pieces_kernel[(n,)](
         _typed(src_base, width, dtype), _typed(dst_base, width, dtype), t, n, BLOCK=_BLOCK
     )
     return int(table[2].sum()) * width
+
+
+def copy_addressed(
+    src_base: torch.Tensor,
+    dst_base: torch.Tensor,
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    lens: np.ndarray,
+) -> int:
+    """Copy spans at byte offsets ``src_off`` from ``src_base``'s address to ``dst_off`` from
+    ``dst_base``'s, on the current stream, in one launch; returns the bytes copied. The offsets
+    may reach past the base buffers into other buffers of the same device (one address space):
+    the caller has checked every span against the buffer it lies in."""
+    if len(lens) == 0:
+        return 0
+    table, width = plan_pieces(src_off, dst_off, lens, src_base.data_ptr(), dst_base.data_ptr())
+    return _launch(src_base, dst_base, table, width)
+
+
+def copy_spans(jobs: Sequence[Job]) -> int:
+    """Copy every job's spans on the current stream, in one launch; returns the bytes copied.
+    Nothing is read or written outside each job's own buffers (checked before the launch)."""
+    if not any(len(np.asarray(r).reshape(-1, 3)) for _, _, r in jobs):
+        return 0
+    return _launch(*piece_table(jobs))

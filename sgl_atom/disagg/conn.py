@@ -58,7 +58,7 @@ from sgl_atom.disagg import ipc, wire
 from sgl_atom.disagg.bind import control_plane_address
 from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
 from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
-from sgl_atom.disagg.ipc import IpcError, IpcWrite, IpcWriter
+from sgl_atom.disagg.ipc import IpcError, IpcWrite, IpcWriter, page_runs
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError
@@ -672,12 +672,19 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             return [], []
         src_arr, dst_arr = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         if self.ipc is not None and self.ipc.has(peer.hs.agent_name):
-            copies = [
-                (spans, pair.producer_index, pair.consumer_index)
-                for pair in peer.plan.pairs
-                if len(spans := pair.spans(src_arr, dst_arr))
+            # whole-page regions share one list of page runs; the rest go span by span
+            whole = [
+                (p.producer_index, p.consumer_index, p.src_page_bytes)
+                for p in peer.plan.pairs
+                if p.whole_pages
             ]
-            return [], [self.ipc.write(peer.hs.agent_name, copies)] if copies else []
+            cut = [
+                (spans, p.producer_index, p.consumer_index)
+                for p in peer.plan.pairs
+                if not p.whole_pages and len(spans := p.spans(src_arr, dst_arr))
+            ]
+            runs = page_runs(src_arr, dst_arr)
+            return [], [self.ipc.write(peer.hs.agent_name, cut, (runs, whole))]
         items, packed = [], []
         for pair in peer.plan.pairs:
             addr = peer.hs.region_addrs[pair.consumer_index]

@@ -156,14 +156,41 @@ class IpcWrite:
     state: str = "PROC"
 
 
+@dataclass
+class _Buffers:
+    """Flat uint8 buffers of one side, their addresses and sizes, and the lowest of them (the
+    base the copy kernel addresses every span from)."""
+
+    tensors: list[torch.Tensor]
+    ptr: np.ndarray
+    nbytes: np.ndarray
+    base: torch.Tensor
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> _Buffers:
+        flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        ptr = np.array([t.data_ptr() for t in flat], dtype=np.int64)
+        nbytes = np.array([t.numel() for t in flat], dtype=np.int64)
+        return cls(flat, ptr, nbytes, flat[int(np.argmin(ptr))])
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
+    """[R, 3] (first source page, first destination page, pages) of the runs in which both
+    sides' pages follow each other: a whole-page region copies each run as one span."""
+    n = min(len(src_pages), len(dst_pages))
+    rows = np.stack([src_pages[:n], dst_pages[:n], np.ones(n, dtype=np.int64)], axis=1)
+    return coalesce(rows.astype(np.int64))
+
+
 class IpcWriter:
-    """A producer's copies into the decode pools it mapped, on one CUDA stream of its own."""
+    """A producer's copies into the consumer pools it mapped, on one CUDA stream of its own
+    (CPU buffers, as in tests, are copied at once)."""
 
     def __init__(self, sources: Sequence[torch.Tensor]):
-        self.sources = [t.reshape(-1).view(torch.uint8) for t in sources]
+        self.src = _Buffers.of(sources)
         self.device = sources[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._peers: dict[str, list[torch.Tensor]] = {}
+        self._peers: dict[str, _Buffers] = {}
         self._lock = threading.Lock()  # mapping and closing (heartbeat thread) vs writing
         if self.stream is not None:  # compile the copy kernel now, not at the first request
             from sgl_atom.kernels.kv_transfer import copy_spans
@@ -175,7 +202,7 @@ class IpcWriter:
 
     def add(self, peer: str, mapped: list[torch.Tensor]) -> None:
         with self._lock:
-            self._peers[peer] = mapped
+            self._peers[peer] = _Buffers.of(mapped)
 
     def has(self, peer: str) -> bool:
         return peer in self._peers
@@ -184,38 +211,63 @@ class IpcWriter:
         return list(self._peers)
 
     def close(self, peer: str) -> bool:
-        """Drop the mappings of ``peer`` (after any write to it has been waited for); whether
-        it had any."""
+        """Drop the mappings of ``peer`` (after any write to it has landed); whether it had
+        any."""
         with self._lock:
             mapped = self._peers.pop(peer, None)
             if mapped is not None and self.stream is not None:
                 self.stream.synchronize()
         return mapped is not None
 
-    def write(self, peer: str, items: Sequence[tuple[np.ndarray, int, int]]) -> IpcWrite:
-        """Copy ``items`` — (spans (src offset, dst offset, bytes), producer region index,
-        consumer region index) — into ``peer``'s mapped buffers, in one launch on this writer's
-        stream, after the work queued so far on the current stream. Every span is checked
-        against both buffers before anything is copied."""
-        from sgl_atom.kernels.kv_transfer import copy_spans
+    def write(
+        self,
+        peer: str,
+        items: Sequence[tuple[np.ndarray, int, int]] = (),
+        pages: tuple[np.ndarray, Sequence[tuple[int, int, int]]] | None = None,
+    ) -> IpcWrite:
+        """Copy into ``peer``'s mapped buffers, in one launch on this writer's stream:
+
+        - ``pages``: (runs, regions): every region (producer index, consumer index, page bytes,
+          the same on both sides) copies the page runs of :func:`page_runs`;
+        - ``items``: (spans (src offset, dst offset, bytes), producer index, consumer index)
+          for regions whose pages differ between the sides (head cuts, other page sizes).
+
+        Every span is checked against both buffers before anything is copied. The KV of a chunk
+        is complete when SGLang hands the chunk over (its forward's outputs have been read), so
+        the copies need not wait for the scheduler's streams."""
+        from sgl_atom.kernels.kv_transfer import copy_addressed
 
         with self._lock:
-            mapped = self._peers.get(peer)
-            if mapped is None:
+            dst = self._peers.get(peer)
+            if dst is None:
                 raise TransferError(f"CUDA IPC: no mapping of peer {peer!r}")
-            jobs = []
-            for spans, src, dst in items:
+            src_abs, dst_abs, lens = [], [], []
+            if pages is not None and len(pages[0]) and len(pages[1]):
+                runs = np.asarray(pages[0], dtype=np.int64).reshape(-1, 3)
+                si, di, pb = np.asarray(pages[1], dtype=np.int64).reshape(-1, 3).T
+                _check_runs(runs, si, di, pb, self.src, dst, peer)
+                src_abs.append((self.src.ptr[si, None] + runs[None, :, 0] * pb[:, None]).ravel())
+                dst_abs.append((dst.ptr[di, None] + runs[None, :, 1] * pb[:, None]).ravel())
+                lens.append((runs[None, :, 2] * pb[:, None]).ravel())
+            for spans, si, di in items:
                 rows = coalesce(np.asarray(spans, dtype=np.int64).reshape(-1, 3))
-                _check(rows, self.sources[src], mapped[dst], peer, src, dst)
-                jobs.append((self.sources[src], mapped[dst], rows))
-            spans = sum(len(r) for _, _, r in jobs)
-            assert self.stream is not None
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                _check(rows, self.src.tensors[si], dst.tensors[di], peer, si, di)
+                src_abs.append(self.src.ptr[si] + rows[:, 0])
+                dst_abs.append(dst.ptr[di] + rows[:, 1])
+                lens.append(rows[:, 2])
+            if not lens:
+                return IpcWrite(peer, 0, 0, None, "DONE")
+            s_off = np.concatenate(src_abs) - self.src.base.data_ptr()
+            d_off = np.concatenate(dst_abs) - dst.base.data_ptr()
+            n = np.concatenate(lens)
+            if self.stream is None:
+                nbytes = copy_addressed(self.src.base, dst.base, s_off, d_off, n)
+                return IpcWrite(peer, len(n), nbytes, None, "DONE")
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                nbytes = copy_spans(jobs)
+                nbytes = copy_addressed(self.src.base, dst.base, s_off, d_off, n)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-        return IpcWrite(peer, spans, nbytes, event)
+        return IpcWrite(peer, len(n), nbytes, event)
 
     def wait(
         self,
@@ -247,6 +299,32 @@ class IpcWriter:
                     raise TransferError(f"CUDA IPC copies into {handle.peer} abandoned: {why}")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+
+
+def _check_runs(
+    runs: np.ndarray,
+    si: np.ndarray,
+    di: np.ndarray,
+    pb: np.ndarray,
+    src: _Buffers,
+    dst: _Buffers,
+    peer: str,
+) -> None:
+    if (runs[:, :2] < 0).any() or (runs[:, 2] <= 0).any() or (pb <= 0).any():
+        raise TransferError(f"CUDA IPC -> {peer}: page runs need pages >= 0 and lengths > 0")
+    src_end = int((runs[:, 0] + runs[:, 2]).max()) * pb
+    dst_end = int((runs[:, 1] + runs[:, 2]).max()) * pb
+    for what, end, bufs, idx, side in (
+        ("read", src_end, src, si, "region r"),
+        ("write", dst_end, dst, di, "the peer's region "),
+    ):
+        over = np.flatnonzero(end > bufs.nbytes[idx])
+        if len(over):
+            k = int(over[0])
+            raise TransferError(
+                f"CUDA IPC -> {peer}: pages {what} up to byte {int(end[k])} of {side}"
+                f"{int(idx[k])} ({int(bufs.nbytes[idx[k]])} B)"
+            )
 
 
 def _check(

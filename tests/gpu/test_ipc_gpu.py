@@ -57,7 +57,7 @@ def test_ipc_writes_land_in_another_process(report):
         h = writer.write("child", [(rows0, 0, 0), (rows1, 0, 1)])
         writer.wait(h, timeout_s=10)
         assert h.state == "DONE" and h.nbytes == 100 * 4096 + (3 << 15)
-        with pytest.raises(TransferError, match="writes up to byte"):  # past the child's buffer
+        with pytest.raises(TransferError, match="write up to byte"):  # past the child's buffer
             writer.write("child", [(np.array([[0, SIZES[1] - 8, 16]]), 0, 1)])
         assert writer.close("child") and not writer.has("child")
         del mapped
