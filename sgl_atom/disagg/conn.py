@@ -610,7 +610,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         why = self._room_failed(chunk.room)
         if why:  # a copy into a mapped pool would land even for a decode that is gone
             raise AtomTransferError(f"room {chunk.room}: {why} before its KV was written")
-        src_pages = [int(p) for p in chunk.prefill_kv_indices]
+        src_pages = np.asarray(chunk.prefill_kv_indices, dtype=np.int64)
         timeout = float(envs.SGL_ATOM_PD_TRANSFER_TIMEOUT.get())
         for agent, req in infos.items():
             peer = self.peers[agent]
@@ -662,13 +662,14 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         return "the room failed" if self.check_status(room) == KVPoll.Failed else None
 
     def _post_kv(
-        self, peer: _Peer, src: list[int], dst: tuple[int, ...], wait: Any
+        self, peer: _Peer, src: npt.NDArray[np.int64], dst: tuple[int, ...], wait: Any
     ) -> tuple[list[Any], list[Any]]:
         """Post this chunk's KV writes to one decode rank: (handles already landed, handles in
-        flight). Head cuts that land as whole decode pages go packed through the staging buffer
-        (stage.py), in rounds when they outgrow it; the rest span by span, every region's spans
-        in one WRITE."""
-        if not src:
+        flight). Through CUDA IPC where the decode's pool is mapped here: one launch for every
+        region. Otherwise through NIXL: head cuts that land as whole decode pages packed through
+        the staging buffer (stage.py), in rounds when they outgrow it; the rest span by span,
+        every region's spans in one WRITE."""
+        if len(src) == 0:
             return [], []
         src_arr, dst_arr = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         if self.ipc is not None and self.ipc.has(peer.hs.agent_name):
