@@ -46,7 +46,7 @@ from pydantic_core import PydanticSerializationError
 from sgl_atom.disagg.regions import RegionDesc, RegionKind
 
 MAGIC = b"SAPD"
-VERSION = 3  # 2: Handshake.region_devices; 3: Heartbeat
+VERSION = 4  # 2: Handshake.region_devices; 3: Heartbeat; 4: Handshake.device_uuid, ipc_regions
 HEADER = struct.Struct("!4sBBHI")
 MAX_BODY = 16 << 20
 MAX_INBOUND_FRAME = MAX_BODY + HEADER.size  # the control socket's ZMQ_MAXMSGSIZE
