@@ -56,9 +56,9 @@ from sglang.srt.server_args import ServerArgs
 from sgl_atom import envs
 from sgl_atom.disagg import ipc, wire
 from sgl_atom.disagg.bind import control_plane_address
-from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError
+from sgl_atom.disagg.engine import VRAM, MemKind, NixlEngine, TransferError, page_runs
 from sgl_atom.disagg.heartbeat import TAG, SessionHeartbeat
-from sgl_atom.disagg.ipc import IpcError, IpcWrite, IpcWriter, page_runs
+from sgl_atom.disagg.ipc import IpcError, IpcWrite, IpcWriter
 from sgl_atom.disagg.plan import HandshakeError, TransferPlan, plan_transfer
 from sgl_atom.disagg.pool_regions import INDEX_K_STATE, PoolExport, describe_pool
 from sgl_atom.disagg.regions import RegionError
@@ -672,30 +672,32 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
         if len(src) == 0:
             return [], []
         src_arr, dst_arr = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        # whole-page regions share one list of page runs, their descriptors built for all at
+        # once; the rest (head cuts, other page sizes) span by span
+        whole = [p for p in peer.plan.pairs if p.whole_pages]
+        runs = page_runs(src_arr, dst_arr) if whole else np.empty((0, 3), dtype=np.int64)
         if self.ipc is not None and self.ipc.has(peer.hs.agent_name):
-            # whole-page regions share one list of page runs; the rest go span by span
-            whole = [
-                (p.producer_index, p.consumer_index, p.src_page_bytes)
-                for p in peer.plan.pairs
-                if p.whole_pages
-            ]
             cut = [
                 (spans, p.producer_index, p.consumer_index)
                 for p in peer.plan.pairs
                 if not p.whole_pages and len(spans := p.spans(src_arr, dst_arr))
             ]
-            runs = page_runs(src_arr, dst_arr)
-            return [], [self.ipc.write(peer.hs.agent_name, cut, (runs, whole))]
+            pages = [(p.producer_index, p.consumer_index, p.src_page_bytes) for p in whole]
+            return [], [self.ipc.write(peer.hs.agent_name, cut, (runs, pages))]
+        addrs = peer.hs.region_addrs
+        pages = [(f"r{p.producer_index}", addrs[p.consumer_index], p.src_page_bytes) for p in whole]
         items, packed = [], []
         for pair in peer.plan.pairs:
-            addr = peer.hs.region_addrs[pair.consumer_index]
+            if pair.whole_pages:
+                continue
+            addr = addrs[pair.consumer_index]
             if self.stager.enabled and packs(pair):
                 packed.append((pair, addr))
                 continue
             spans = pair.spans(src_arr, dst_arr)
             if len(spans):
                 items.append((spans, f"r{pair.producer_index}", addr))
-        out = self.engine.write_many(peer.hs.agent_name, items)
+        out = self.engine.write_many(peer.hs.agent_name, items, pages=(runs, pages))
         if not packed:
             return [], out
         landed, pending = self.stager.write(peer.hs.agent_name, packed, src, dst, wait)

@@ -91,6 +91,15 @@ def coalesce(spans: np.ndarray) -> np.ndarray:
     return np.stack([src[idx], dst[idx], lens], axis=1)
 
 
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
+    """[R, 3] (first source page, first destination page, pages) of the runs in which both
+    sides' pages follow each other: a whole-page region moves each run as one span."""
+    n = min(len(src_pages), len(dst_pages))
+    src = np.asarray(src_pages[:n], dtype=np.int64)
+    dst = np.asarray(dst_pages[:n], dtype=np.int64)
+    return coalesce(np.stack([src, dst, np.ones(n, dtype=np.int64)], axis=1))
+
+
 class NixlEngine:
     """One NIXL agent over UCX moving bytes between registered CPU or GPU buffers."""
 
@@ -239,17 +248,27 @@ class NixlEngine:
         peer: str,
         items: Sequence[tuple[Sequence[tuple[int, int, int]] | np.ndarray, str, int]],
         notif: bytes = b"",
+        pages: tuple[np.ndarray, Sequence[tuple[str, int, int]]] | None = None,
     ) -> list[WriteHandle]:
         """Post the spans of several `(spans, src_region, dst_region_addr)` items to `peer` as
         one WRITE per pair of memory kinds (one in practice: a pool is all on one device), each
         carrying the descriptors of every item: posting costs per WRITE, not per byte, and a
         request's KV spans one region per layer and K/V. Every item is checked before anything
-        is posted; `notif` rides on each WRITE."""
-        if not items:
+        is posted; `notif` rides on each WRITE.
+
+        pages: (runs, regions) for regions whose pages are byte-identical on both sides: each
+        region `(src_region, dst_region_addr, page bytes)` moves the page runs of
+        :func:`page_runs`, its descriptors built for all regions at once."""
+        has_pages = pages is not None and len(pages[0]) > 0 and len(pages[1]) > 0
+        if not items and not has_pages:
             return []
         if peer not in self._peers:
             raise TransferError(f"{self.name}: unknown peer {peer!r}; call add_peer first")
         groups: dict[tuple[MemKind, MemKind], list[tuple[np.ndarray, np.ndarray]]] = {}
+        if has_pages:
+            assert pages is not None
+            for key, part in self._page_descs(peer, pages[0], pages[1]).items():
+                groups.setdefault(key, []).append(part)
         for spans, src_region, dst_region_addr in items:
             if src_region not in self._regions:
                 known = list(self._regions)
@@ -273,6 +292,58 @@ class NixlEngine:
                 self._release(h)
             raise
         return handles
+
+    def _page_descs(
+        self, peer: str, runs: np.ndarray, regions: Sequence[tuple[str, int, int]]
+    ) -> dict[tuple[MemKind, MemKind], tuple[np.ndarray, np.ndarray]]:
+        """Descriptor rows (local, remote) of whole-page regions moving the same page runs,
+        by pair of memory kinds; every region checked against both sides' bounds first."""
+        runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+        if (runs[:, :2] < 0).any() or (runs[:, 2] <= 0).any():
+            raise TransferError(f"{self.name} -> {peer}: page runs need pages >= 0 and length > 0")
+        for name, _, _ in regions:
+            if name not in self._regions:
+                known = list(self._regions)
+                raise TransferError(f"{self.name}: no local region {name!r}; registered: {known}")
+        peer_regions = self._peers[peer]
+        base = np.array([self._regions[n][0] for n, _, _ in regions], dtype=np.int64)
+        size = np.array([self._regions[n][1] for n, _, _ in regions], dtype=np.int64)
+        addr = np.array([a for _, a, _ in regions], dtype=np.int64)
+        pb = np.array([b for _, _, b in regions], dtype=np.int64)
+        if (pb <= 0).any():
+            raise TransferError(f"{self.name} -> {peer}: page bytes must be > 0")
+        src_end = int((runs[:, 0] + runs[:, 2]).max()) * pb
+        dst_end = int((runs[:, 1] + runs[:, 2]).max()) * pb
+        for i in np.flatnonzero(src_end > size)[:1]:
+            raise TransferError(
+                f"{self.name}: pages read up to byte {int(src_end[i])} of region "
+                f"{regions[i][0]!r} ({int(size[i])} B)"
+            )
+        if peer_regions:
+            for i, a in enumerate(addr.tolist()):
+                if a not in peer_regions:
+                    raise TransferError(
+                        f"{self.name} -> {peer}: 0x{a:x} is not the base of a region the peer "
+                        "declared"
+                    )
+                if dst_end[i] > peer_regions[a]:
+                    raise TransferError(
+                        f"{self.name} -> {peer}: pages write up to byte {int(dst_end[i])} of the "
+                        f"peer's region at 0x{a:x} ({peer_regions[a]} B)"
+                    )
+        kinds = [(self._kinds[n], self._peer_kinds[peer].get(a, _HOST)) for n, a, _ in regions]
+        out = {}
+        for key in dict.fromkeys(kinds):
+            idx = np.array([i for i, k in enumerate(kinds) if k == key], dtype=np.int64)
+            lens = (runs[None, :, 2] * pb[idx, None]).ravel()
+            n = len(lens)
+            local = base[idx, None] + runs[None, :, 0] * pb[idx, None]
+            remote = addr[idx, None] + runs[None, :, 1] * pb[idx, None]
+            out[key] = (
+                np.stack([local.ravel(), lens, np.full(n, key[0][1])], axis=1).astype(np.uint64),
+                np.stack([remote.ravel(), lens, np.full(n, key[1][1])], axis=1).astype(np.uint64),
+            )
+        return out
 
     def _post(
         self, peer: str, local: np.ndarray, remote: np.ndarray, src_mem: str, dst_mem: str, notif

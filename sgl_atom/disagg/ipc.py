@@ -174,14 +174,6 @@ class _Buffers:
         return cls(flat, ptr, nbytes, flat[int(np.argmin(ptr))])
 
 
-def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
-    """[R, 3] (first source page, first destination page, pages) of the runs in which both
-    sides' pages follow each other: a whole-page region copies each run as one span."""
-    n = min(len(src_pages), len(dst_pages))
-    rows = np.stack([src_pages[:n], dst_pages[:n], np.ones(n, dtype=np.int64)], axis=1)
-    return coalesce(rows.astype(np.int64))
-
-
 class IpcWriter:
     """A producer's copies into the consumer pools it mapped, on one CUDA stream of its own
     (CPU buffers, as in tests, are copied at once)."""
@@ -228,7 +220,8 @@ class IpcWriter:
         """Copy into ``peer``'s mapped buffers, in one launch on this writer's stream:
 
         - ``pages``: (runs, regions): every region (producer index, consumer index, page bytes,
-          the same on both sides) copies the page runs of :func:`page_runs`;
+          the same on both sides) copies the page runs of
+          :func:`sgl_atom.disagg.engine.page_runs`;
         - ``items``: (spans (src offset, dst offset, bytes), producer index, consumer index)
           for regions whose pages differ between the sides (head cuts, other page sizes).
 

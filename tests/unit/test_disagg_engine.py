@@ -153,6 +153,45 @@ def test_write_many_posts_every_region_in_one_write_or_nothing():
     _assert_landed(src, got)  # page 0 of k holds no stray bytes from the refused call
 
 
+def test_write_many_moves_whole_pages_from_one_list_of_page_runs():
+    """Whole-page regions (TP1 -> TP1) posted as (page runs, regions): every region moves the
+    runs, in one WRITE; a run past the peer's region posts nothing."""
+    import numpy as np
+
+    from sgl_atom.disagg.engine import page_runs
+
+    plan = plan_transfer(_regions(0, 1), 0, 1, _regions(0, 1), 0, 1)
+    assert all(p.whole_pages for p in plan.pairs)
+    torch.manual_seed(4)
+    src = {k: torch.randn(PAGES * PAGE, HEADS, DIM).to(torch.bfloat16) for k in "kv"}
+    proc, conn = _spawn(HEADS, b"kv-done")
+    producer = NixlEngine("producer")
+    try:
+        meta, dst = _recv(conn, 30)
+        producer.register(src)
+        producer.add_peer("consumer", meta, regions=dict(dst.values()))
+        src_pages, dst_pages = np.array([3, 4, 0]), np.array([1, 2, 4])
+        runs = page_runs(src_pages, dst_pages)
+        assert runs.tolist() == [[3, 1, 2], [0, 4, 1]]
+        regions = [(k, dst[k][0], p.src_page_bytes) for k, p in zip("kv", plan.pairs, strict=True)]
+        with pytest.raises(TransferError, match="pages write up to byte"):
+            producer.write_many("consumer", [], pages=(np.array([[0, PAGES - 1, 2]]), regions))
+        handles = producer.write_many("consumer", [], b"kv-done", pages=(runs, regions))
+        assert len(handles) == 1 and handles[0].spans == 4
+        assert handles[0].nbytes == 2 * 3 * plan.pairs[0].src_page_bytes
+        producer.wait(handles[0], 10)
+        got = _recv(conn, 20)
+        assert got is not None, "consumer saw no notification"
+    finally:
+        producer.close()
+        _stop(proc)
+    for k in "kv":
+        want = torch.zeros(PAGES * PAGE, HEADS, DIM, dtype=torch.bfloat16)
+        for sp, dp in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
+            want[dp * PAGE : (dp + 1) * PAGE] = src[k][sp * PAGE : (sp + 1) * PAGE]
+        assert torch.equal(torch.from_numpy(got[k]), want.view(torch.int16)), f"region {k}"
+
+
 def test_write_refuses_spans_outside_the_regions():
     proc, conn = _spawn(HEADS, None)
     producer = NixlEngine("producer")

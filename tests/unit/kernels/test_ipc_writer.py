@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import poisoned
 
-from sgl_atom.disagg.engine import TransferError
-from sgl_atom.disagg.ipc import IpcWriter, page_runs
+from sgl_atom.disagg.engine import TransferError, page_runs
+from sgl_atom.disagg.ipc import IpcWriter
 
 PAGE_BYTES = (256, 512, 96)  # three whole-page regions
 NUM_PAGES = 40
