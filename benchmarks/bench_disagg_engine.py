@@ -13,7 +13,13 @@ producer then times, interleaved rep by rep:
   regions  the buffer as 64 regions (a pool's layers x K/V), one NixlEngine.write per region,
            all posted then all waited for (the P/D backend's former way)
   one-write the same 64 regions through NixlEngine.write_many: one WRITE carrying 64
-           descriptors (the P/D backend's way)
+           descriptors (one prebuilt span per region)
+  page-spans the same 64 regions as 2 KiB pages (one token of 8 heads x 128 in bf16): each
+           region's per-page spans built inside the timed section, then checked, coalesced
+           and turned into descriptors region by region in one write_many (the P/D backend's
+           former way)
+  page-runs the same pages as one list of page runs built once, every region's descriptors
+           from it at once (write_many(pages=...), the P/D backend's way)
 The consumer's buffer is hashed after the raw and engine paths (zeroed between them) and must
 equal the source. UCX runs over TCP on loopback (UCX_NET_DEVICES=lo, UCX_TLS=tcp,self).
 """
@@ -31,6 +37,7 @@ import time
 LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
 HEADS, DIM, PAGE = 8, 128, 16  # bf16: 32 KiB per page
 REGIONS = 64
+TOKEN_PAGE = HEADS * DIM * 2  # bytes of a 1-token page: SGLang's default page size
 
 
 def _consumer(conn, nbytes: int) -> None:
@@ -76,6 +83,27 @@ def _regions_write(engine, items, many: bool) -> float:
         handles = engine.write_many("consumer", items)
     else:
         handles = [engine.write("consumer", *item) for item in items]
+    for h in handles:
+        engine.wait(h, 60)
+    return time.perf_counter() - start
+
+
+def _pages_write(engine, regions, pages, page_bytes: int, runs: bool) -> float:
+    import numpy as np
+
+    from sgl_atom.disagg.engine import page_runs
+
+    start = time.perf_counter()
+    if runs:
+        spec = [(name, addr, page_bytes) for name, addr in regions]
+        handles = engine.write_many("consumer", [], pages=(page_runs(pages, pages), spec))
+    else:
+        items = []
+        for name, addr in regions:
+            off = pages * page_bytes
+            spans = np.stack([off, off, np.full(len(pages), page_bytes, dtype=np.int64)], axis=1)
+            items.append((spans, name, addr))
+        handles = engine.write_many("consumer", items)
     for h in handles:
         engine.wait(h, 60)
     return time.perf_counter() - start
@@ -153,6 +181,15 @@ def run(mib: int, reps: int) -> dict[str, list[float]]:
                 times["regions"].append(_regions_write(cut, items, False))
                 times["one-write"].append(_regions_write(cut, items, True))
             _check(conn, want, "regions and one-write")
+            named = [(f"r{i}", dst_addr + i * part) for i in range(REGIONS)]
+            pages = np.arange(part // TOKEN_PAGE, dtype=np.int64)
+            times["page-spans"], times["page-runs"] = [], []
+            for runs in (False, True):  # warm up
+                _pages_write(cut, named, pages, TOKEN_PAGE, runs)
+            for _ in range(reps):
+                for runs, path in ((False, "page-spans"), (True, "page-runs")):
+                    times[path].append(_pages_write(cut, named, pages, TOKEN_PAGE, runs))
+            _check(conn, want, "page-spans and page-runs")
         finally:
             cut.close()
         raw.remove_remote_agent("consumer")
@@ -169,8 +206,11 @@ def run(mib: int, reps: int) -> dict[str, list[float]]:
 
 def table(times: dict[str, list[float]], mib: int, n_pages: int) -> str:
     base = statistics.median(times["raw"])
+    per = (mib << 20) // REGIONS // TOKEN_PAGE
     descs = {"raw": "1", "engine": f"{n_pages} -> 1", "shuffled": str(n_pages),
-             "regions": f"{REGIONS} WRITEs", "one-write": f"{REGIONS} in 1 WRITE"}  # fmt: skip
+             "regions": f"{REGIONS} WRITEs", "one-write": f"{REGIONS} in 1 WRITE",
+             "page-spans": f"{REGIONS}x{per} -> {REGIONS}",
+             "page-runs": f"{REGIONS}x{per} -> {REGIONS}"}  # fmt: skip
     head = ["path", "MiB", "spans", "median s", "best s", "GiB/s (median)", "overhead %"]
     rows = []
     for path, ts in times.items():
@@ -218,7 +258,9 @@ def _report(cmd, env, args, out, per_rep) -> str:
   region, every page in order, spans computed inside the timed section; shuffled: pages in
   random order (one descriptor per page), for scale only; regions / one-write: the buffer as
   {REGIONS} regions of a second engine, one WRITE each vs one WRITE for all (after the others,
-  checked by hash). Overhead is of the median vs raw.
+  checked by hash); page-spans / page-runs: those regions as {TOKEN_PAGE}-byte pages (one token),
+  descriptors built inside the timed section region by region, or for all regions from one list
+  of page runs (checked by hash). Overhead is of the median vs raw.
 
 {out}
 
