@@ -23,7 +23,6 @@ mappings of a decode that has sent no heartbeat for ``SGL_ATOM_PD_HEARTBEAT_TIME
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from sgl_atom.disagg import wire
-from sgl_atom.disagg.engine import TransferError, coalesce
+from sgl_atom.disagg.engine import TIMED_OUT, TransferError, coalesce, poll
 
 
 class IpcError(RuntimeError):
@@ -270,28 +269,16 @@ class IpcWriter:
     ) -> None:
         """Poll until the copies have landed: TransferError after ``timeout_s`` or as soon as
         ``abandon()`` names a reason (asked every ~10 ms)."""
-        deadline = time.monotonic() + timeout_s
-        next_ask = time.monotonic() + 0.01
-        delay = 1e-5
-        while handle.state == "PROC":
-            if handle.event is None or handle.event.query():
-                handle.state = "DONE"
-                break
-            now = time.monotonic()
-            if now > deadline:
-                handle.state = "ERR"
-                raise TransferError(
-                    f"CUDA IPC copies of {handle.nbytes} B into {handle.peer} still running "
-                    f"after {timeout_s} s"
-                )
-            if abandon is not None and now >= next_ask:
-                next_ask = now + 0.01
-                why = abandon()
-                if why:
-                    handle.state = "ERR"
-                    raise TransferError(f"CUDA IPC copies into {handle.peer} abandoned: {why}")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        event = handle.event
+        why = poll(lambda: event is None or event.query(), timeout_s, abandon)
+        handle.state = "DONE" if why is None else "ERR"
+        if why is TIMED_OUT:
+            raise TransferError(
+                f"CUDA IPC copies of {handle.nbytes} B into {handle.peer} still running "
+                f"after {timeout_s} s"
+            )
+        if why is not None:
+            raise TransferError(f"CUDA IPC copies into {handle.peer} abandoned: {why}")
 
 
 def _check_runs(
