@@ -244,6 +244,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
     kv_status_msg_tag = b"ATOM_STATUS"
     kv_status_msg_carries_reason = True
     ipc: IpcWriter | None = None  # producer: CUDA IPC writes into same-GPU decode pools
+    _ipc_shared: tuple[str, tuple[wire.CudaIpcRegion, ...]] | None = None  # consumer, once
 
     def __init__(
         self,
@@ -736,9 +737,8 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
     def _ipc_share(self) -> tuple[str, tuple[wire.CudaIpcRegion, ...]]:
         """(GPU UUID, shared buffers) of this rank's pool for a producer on the same GPU; empty
         when off, on CPU, or when torch cannot share it (logged once). Shared once per boot."""
-        share = getattr(self, "_ipc_shared", None)
-        if share is not None:
-            return share
+        if self._ipc_shared is not None:
+            return self._ipc_shared
         share = ("", ())
         tensors = self.export.tensors
         if envs.SGL_ATOM_PD_CUDA_IPC.get() and tensors and tensors[0].is_cuda:
