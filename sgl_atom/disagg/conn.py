@@ -397,9 +397,11 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             raise ValueError(f"SGL_ATOM_PD_STAGING_MB={staging}: give MiB >= 0 (0: no staging)")
         self.stager = Stager(self.engine, self.export.tensors, staging << 20)  # writer thread
         on_gpu = bool(self.export.tensors) and self.export.tensors[0].is_cuda
-        self.ipc = (
-            IpcWriter(self.export.tensors) if on_gpu and envs.SGL_ATOM_PD_CUDA_IPC.get() else None
-        )
+        if on_gpu and envs.SGL_ATOM_PD_CUDA_IPC.get():
+            try:
+                self.ipc = IpcWriter(self.export.tensors)
+            except Exception as e:  # the copy kernel did not compile or run: NIXL carries all
+                logger.warning("atom P/D: CUDA IPC writes are off (%s); KV goes through NIXL", e)
         self._start_thread(self._producer_control_loop, "atom-pd-control")
         self._start_thread(self._producer_worker_loop, "atom-pd-worker")
         self.sender_rooms = set()
