@@ -451,3 +451,34 @@ def test_ipc_peer_is_refused_when_its_shares_disagree_with_its_regions():
         ipc.open_peer(hs)
     with pytest.raises(ipc.IpcError, match="overruns its storage"):
         ipc.open_region(CudaIpcRegion(0, b"h", 100, 0, 64, 64, b"", 0, b"", False), 0)
+
+
+def test_prefill_maps_shared_pools_only_where_it_can_and_closes_silent_ones():
+    """A decode that shares its pool through CUDA IPC: shares that disagree with its regions
+    leave it on NIXL (the handshake is still accepted); a GPU this process does not have leaves
+    it on NIXL; a mapped decode silent past the heartbeat timeout has its mappings closed."""
+    from dataclasses import replace
+
+    from sgl_atom.disagg.heartbeat import RoomClaims
+    from sgl_atom.disagg.ipc import IpcWriter
+
+    mgr, added = _producer_manager()
+    mgr.ipc = IpcWriter([torch.zeros(256, dtype=torch.uint8)])
+    hs = _consumer(_pool())
+    share = wire.CudaIpcRegion(0, b"h" * 64, 1 << 20, 0, 0, 64, b"/rc", 0, b"", False)
+    assert mgr._map_peer(hs) == "NIXL"  # shares nothing
+    wrong = replace(hs, device_uuid="GPU-0", ipc_regions=(share,))  # 1 share for 8 regions
+    assert mgr._map_peer(wrong) == "NIXL" and not mgr.ipc.has("d0")
+    shares = tuple(replace(share, nbytes=n) for n in hs.region_bytes)
+    elsewhere = replace(hs, device_uuid="GPU-elsewhere", ipc_regions=shares)
+    assert mgr._map_peer(elsewhere).startswith("NIXL (its GPU is not")
+    mgr._on_handshake(elsewhere)
+    assert "d0" in mgr.peers and added == ["d0"]
+    # a decode mapped earlier, then silent
+    mgr.ipc.add("d0", [torch.zeros(64, dtype=torch.uint8)])
+    mgr.request_status, mgr.room_claims = {}, RoomClaims(timeout_s=2.0)
+    mgr.room_claims.heard("d0", (), now=0.0)
+    mgr._sweep_orphans(1.5)
+    assert mgr.ipc.has("d0")
+    mgr._sweep_orphans(2.5)
+    assert not mgr.ipc.has("d0") and "d0" in mgr.peers  # its KV goes through NIXL from now on
