@@ -709,13 +709,16 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
     def _post_aux(self, peer: _Peer, src_row: int, dst_row: int) -> list[Any]:
         if dst_row < 0:
             raise AtomTransferError("the decode rank sent no metadata row for the request")
-        items = [
-            ([(src_row * item, dst_row * item, item)], f"aux{i}", dst_addr)
+        # a request's row of every metadata buffer: one "page" of each, its descriptors built
+        # for all buffers at once
+        rows = [
+            (f"aux{i}", dst_addr, item)
             for i, ((_, _, item), (dst_addr, _, _)) in enumerate(
                 zip(self.aux, peer.hs.aux, strict=True)
             )
         ]
-        return self.engine.write_many(peer.hs.agent_name, items)
+        run = np.array([[src_row, dst_row, 1]], dtype=np.int64)
+        return self.engine.write_many(peer.hs.agent_name, [], pages=(run, rows))
 
     # ------------------------------------------------------------------ consumer (decode)
 

@@ -100,29 +100,26 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
     return coalesce(np.stack([src, dst, np.ones(n, dtype=np.int64)], axis=1))
 
 
-TIMED_OUT = "timed out"
-
-
 def poll(
     done: Callable[[], bool],
     timeout_s: float,
     abandon: Callable[[], str | None] | None = None,
-) -> str | None:
+) -> tuple[bool, str] | None:
     """Ask ``done()`` (at once, then after sleeps growing from 10 us to 1 ms) until it is True:
-    None. Else why it stopped asking: :data:`TIMED_OUT` (the very object) after ``timeout_s``,
-    or the reason ``abandon()`` (asked every ~10 ms) gave."""
+    None. Else why it stopped asking, as (timed out, reason): (True, "") after ``timeout_s``,
+    or (False, the reason ``abandon()`` gave; it is asked every ~10 ms)."""
     deadline = time.monotonic() + timeout_s
     next_ask = time.monotonic() + 0.01
     delay = 1e-5
     while not done():
         now = time.monotonic()
         if now > deadline:
-            return TIMED_OUT
+            return True, ""
         if abandon is not None and now >= next_ask:
             next_ask = now + 0.01
             why = abandon()
             if why:
-                return why
+                return False, why
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
     return None
@@ -411,12 +408,14 @@ class NixlEngine:
                 handle.state = self._agent.check_xfer_state(handle.xfer)
             return handle.state != "PROC"
 
-        why = poll(landed, timeout_s, abandon)
+        stopped = poll(landed, timeout_s, abandon)
         self._release(handle)
-        if why is TIMED_OUT:
-            raise TransferError(self._describe(handle, f"still PROC after {timeout_s} s"))
-        if why is not None:
-            raise TransferError(self._describe(handle, f"abandoned while PROC: {why}"))
+        if stopped is not None:
+            timed_out, why = stopped
+            what = (
+                f"still PROC after {timeout_s} s" if timed_out else f"abandoned while PROC: {why}"
+            )
+            raise TransferError(self._describe(handle, what))
         if handle.state != "DONE":
             raise TransferError(self._describe(handle, f"ended in state {handle.state}"))
 

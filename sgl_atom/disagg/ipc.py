@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sgl_atom.disagg import wire
-from sgl_atom.disagg.engine import TIMED_OUT, TransferError, coalesce, poll
+from sgl_atom.disagg.engine import TransferError, coalesce, poll
 
 
 class IpcError(RuntimeError):
@@ -270,15 +270,16 @@ class IpcWriter:
         """Poll until the copies have landed: TransferError after ``timeout_s`` or as soon as
         ``abandon()`` names a reason (asked every ~10 ms)."""
         event = handle.event
-        why = poll(lambda: event is None or event.query(), timeout_s, abandon)
-        handle.state = "DONE" if why is None else "ERR"
-        if why is TIMED_OUT:
+        stopped = poll(lambda: event is None or event.query(), timeout_s, abandon)
+        handle.state = "DONE" if stopped is None else "ERR"
+        if stopped is not None:
+            timed_out, why = stopped
             raise TransferError(
-                f"CUDA IPC copies of {handle.nbytes} B into {handle.peer} still running "
-                f"after {timeout_s} s"
+                f"CUDA IPC copies of {handle.nbytes} B into {handle.peer} still running after "
+                f"{timeout_s} s"
+                if timed_out
+                else f"CUDA IPC copies into {handle.peer} abandoned: {why}"
             )
-        if why is not None:
-            raise TransferError(f"CUDA IPC copies into {handle.peer} abandoned: {why}")
 
 
 def _check_runs(
