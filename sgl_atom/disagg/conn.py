@@ -452,6 +452,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             return
         self.peers[hs.agent_name] = _Peer(hs, plan)
         modes = sorted({p.mode for p in plan.pairs})
+        transport = self._map_peer(hs)
         logger.info(
             "atom P/D: accepted decode rank tp %d/%d (%s): %d region pairs, %s, KV through %s",
             hs.tp_rank,
@@ -459,7 +460,7 @@ class AtomKVManager(SessionHeartbeat, CommonKVManager):
             hs.agent_name,
             len(plan.pairs),
             ",".join(modes) or "nothing to send",
-            self._map_peer(hs),
+            transport,
         )
 
     def _map_peer(self, hs: wire.Handshake) -> str:

@@ -100,6 +100,37 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
     return coalesce(np.stack([src, dst, np.ones(n, dtype=np.int64)], axis=1))
 
 
+def span_ends(rows: np.ndarray, who: str) -> tuple[int, int]:
+    """(source end, destination end) in bytes of ``[N, 3]`` int64 spans (src offset, dst offset,
+    length), N >= 1; TransferError naming ``who`` unless offsets are >= 0 and lengths > 0."""
+    if (rows[:, :2] < 0).any() or (rows[:, 2] <= 0).any():
+        raise TransferError(f"{who}: spans need offsets >= 0 and lengths > 0")
+    return int((rows[:, 0] + rows[:, 2]).max()), int((rows[:, 1] + rows[:, 2]).max())
+
+
+def run_ends(runs: np.ndarray, page_bytes: np.ndarray, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per region, the (source, destination) byte ends of the page runs of :func:`page_runs`
+    for regions of ``page_bytes``; TransferError naming ``who`` unless pages are >= 0, runs
+    and page bytes > 0."""
+    if (runs[:, :2] < 0).any() or (runs[:, 2] <= 0).any() or (page_bytes <= 0).any():
+        raise TransferError(f"{who}: page runs need pages >= 0, lengths > 0 and page bytes > 0")
+    src_end, dst_end = span_ends(runs, who)
+    return src_end * page_bytes, dst_end * page_bytes
+
+
+def run_spans(
+    runs: np.ndarray, src_base: np.ndarray, dst_base: np.ndarray, page_bytes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source addresses, destination addresses, lengths), flat, region after region, of the
+    page runs moved by regions based at ``src_base``/``dst_base`` with ``page_bytes`` each."""
+    pb = page_bytes[:, None]
+    return (
+        (src_base[:, None] + runs[None, :, 0] * pb).ravel(),
+        (dst_base[:, None] + runs[None, :, 1] * pb).ravel(),
+        (runs[None, :, 2] * pb).ravel(),
+    )
+
+
 def poll(
     done: Callable[[], bool],
     timeout_s: float,
@@ -324,8 +355,6 @@ class NixlEngine:
         """Descriptor rows (local, remote) of whole-page regions moving the same page runs,
         by pair of memory kinds; every region checked against both sides' bounds first."""
         runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-        if (runs[:, :2] < 0).any() or (runs[:, 2] <= 0).any():
-            raise TransferError(f"{self.name} -> {peer}: page runs need pages >= 0 and length > 0")
         for name, _, _ in regions:
             if name not in self._regions:
                 known = list(self._regions)
@@ -335,10 +364,7 @@ class NixlEngine:
         size = np.array([self._regions[n][1] for n, _, _ in regions], dtype=np.int64)
         addr = np.array([a for _, a, _ in regions], dtype=np.int64)
         pb = np.array([b for _, _, b in regions], dtype=np.int64)
-        if (pb <= 0).any():
-            raise TransferError(f"{self.name} -> {peer}: page bytes must be > 0")
-        src_end = int((runs[:, 0] + runs[:, 2]).max()) * pb
-        dst_end = int((runs[:, 1] + runs[:, 2]).max()) * pb
+        src_end, dst_end = run_ends(runs, pb, f"{self.name} -> {peer}")
         for i in np.flatnonzero(src_end > size)[:1]:
             raise TransferError(
                 f"{self.name}: pages read up to byte {int(src_end[i])} of region "
@@ -360,13 +386,11 @@ class NixlEngine:
         out = {}
         for key in dict.fromkeys(kinds):
             idx = np.array([i for i, k in enumerate(kinds) if k == key], dtype=np.int64)
-            lens = (runs[None, :, 2] * pb[idx, None]).ravel()
+            local, remote, lens = run_spans(runs, base[idx], addr[idx], pb[idx])
             n = len(lens)
-            local = base[idx, None] + runs[None, :, 0] * pb[idx, None]
-            remote = addr[idx, None] + runs[None, :, 1] * pb[idx, None]
             out[key] = (
-                np.stack([local.ravel(), lens, np.full(n, key[0][1])], axis=1).astype(np.uint64),
-                np.stack([remote.ravel(), lens, np.full(n, key[1][1])], axis=1).astype(np.uint64),
+                np.stack([local, lens, np.full(n, key[0][1])], axis=1).astype(np.uint64),
+                np.stack([remote, lens, np.full(n, key[1][1])], axis=1).astype(np.uint64),
             )
         return out
 
@@ -447,10 +471,8 @@ class NixlEngine:
         rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
         if len(rows) == 0:
             raise TransferError(f"{self.name} -> {peer}: a WRITE needs at least one span")
-        if (rows[:, :2] < 0).any() or (rows[:, 2] <= 0).any():
-            raise TransferError(f"{self.name} -> {peer}: spans need offsets >= 0 and lengths > 0")
+        end, dst_end = span_ends(rows, f"{self.name} -> {peer}")
         _, src_len = self._regions[src_region]
-        end = int((rows[:, 0] + rows[:, 2]).max())
         if end > src_len:
             raise TransferError(
                 f"{self.name}: spans read up to byte {end} of region {src_region!r} ({src_len} B)"
@@ -462,10 +484,9 @@ class NixlEngine:
                     f"{self.name} -> {peer}: 0x{dst_addr:x} is not the base of a region the "
                     "peer declared"
                 )
-            end = int((rows[:, 1] + rows[:, 2]).max())
-            if end > peer_regions[dst_addr]:
+            if dst_end > peer_regions[dst_addr]:
                 raise TransferError(
-                    f"{self.name} -> {peer}: spans write up to byte {end} of the peer's region "
+                    f"{self.name} -> {peer}: spans write up to byte {dst_end} of the peer's region "
                     f"at 0x{dst_addr:x} ({peer_regions[dst_addr]} B)"
                 )
         return rows.astype(np.uint64)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sgl_atom.disagg import wire
-from sgl_atom.disagg.engine import TransferError, coalesce, poll
+from sgl_atom.disagg.engine import TransferError, coalesce, poll, run_ends, run_spans, span_ends
 
 
 class IpcError(RuntimeError):
@@ -238,9 +238,10 @@ class IpcWriter:
                 runs = np.asarray(pages[0], dtype=np.int64).reshape(-1, 3)
                 si, di, pb = np.asarray(pages[1], dtype=np.int64).reshape(-1, 3).T
                 _check_runs(runs, si, di, pb, self.src, dst, peer)
-                src_abs.append((self.src.ptr[si, None] + runs[None, :, 0] * pb[:, None]).ravel())
-                dst_abs.append((dst.ptr[di, None] + runs[None, :, 1] * pb[:, None]).ravel())
-                lens.append((runs[None, :, 2] * pb[:, None]).ravel())
+                s_abs, d_abs, n_bytes = run_spans(runs, self.src.ptr[si], dst.ptr[di], pb)
+                src_abs.append(s_abs)
+                dst_abs.append(d_abs)
+                lens.append(n_bytes)
             for spans, si, di in items:
                 rows = coalesce(np.asarray(spans, dtype=np.int64).reshape(-1, 3))
                 _check(rows, self.src.tensors[si], dst.tensors[di], peer, si, di)
@@ -291,10 +292,7 @@ def _check_runs(
     dst: _Buffers,
     peer: str,
 ) -> None:
-    if (runs[:, :2] < 0).any() or (runs[:, 2] <= 0).any() or (pb <= 0).any():
-        raise TransferError(f"CUDA IPC -> {peer}: page runs need pages >= 0 and lengths > 0")
-    src_end = int((runs[:, 0] + runs[:, 2]).max()) * pb
-    dst_end = int((runs[:, 1] + runs[:, 2]).max()) * pb
+    src_end, dst_end = run_ends(runs, pb, f"CUDA IPC -> {peer}")
     for what, end, bufs, idx, side in (
         ("read", src_end, src, si, "region r"),
         ("write", dst_end, dst, di, "the peer's region "),
@@ -313,16 +311,13 @@ def _check(
 ) -> None:
     if len(rows) == 0:
         return
-    if (rows[:, :2] < 0).any() or (rows[:, 2] <= 0).any():
-        raise TransferError(f"CUDA IPC -> {peer}: spans need offsets >= 0 and lengths > 0")
-    end = int((rows[:, 0] + rows[:, 2]).max())
+    end, dst_end = span_ends(rows, f"CUDA IPC -> {peer}")
     if end > src.numel():
         raise TransferError(
             f"CUDA IPC -> {peer}: spans read up to byte {end} of region r{si} ({src.numel()} B)"
         )
-    end = int((rows[:, 1] + rows[:, 2]).max())
-    if end > dst.numel():
+    if dst_end > dst.numel():
         raise TransferError(
-            f"CUDA IPC -> {peer}: spans write up to byte {end} of the peer's region {di} "
+            f"CUDA IPC -> {peer}: spans write up to byte {dst_end} of the peer's region {di} "
             f"({dst.numel()} B)"
         )
