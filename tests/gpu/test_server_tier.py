@@ -252,11 +252,14 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
     """A prefill and a decode server on one card (each capped by --max-total-tokens), atom
     backend and atom transfer backend (GPU pools, the KV through CUDA IPC, the metadata through
     NIXL): every greedy output equals the unified
-    server's. The requests carry the bootstrap fields as SGLang's PD router sends them (the
-    router binary is not carried to the device)."""
-    if importlib.util.find_spec("nixl") is None:
-        pytest.fail("nixl is not importable here: carry part 3 of the GPU bundle")
-    from test_disagg_serving import MAX_NEW, _direct_pd
+    server's. The first requests carry the bootstrap fields by hand (what the router sends);
+    the soak goes through SGLang's PD router (sglang-router, part 4 of the GPU bundle)."""
+    for mod, part in (("nixl", 3), ("sglang_router", 4)):
+        if importlib.util.find_spec(mod) is None:
+            pytest.fail(f"{mod} is not importable here: carry part {part} of the GPU bundle")
+    from test_disagg_serving import MAX_NEW, _direct_pd, _params
+
+    from sgl_atom.testing.router import Router
 
     prefill, decode = feature_servers["pd-prefill"], feature_servers["pd-decode"]
     bp, want = feature_servers["bootstrap_port"], chain_baseline
@@ -265,18 +268,30 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
         prompt = SPEC_PROMPTS[i % len(SPEC_PROMPTS)]
         return _direct_pd(prefill, bp, decode, prompt, 9000 + i).join()["d"]
 
+    router = Router([(prefill.url, bp)], [decode.url])
+
+    def routed(i: int):
+        payload = {"text": SPEC_PROMPTS[i % len(SPEC_PROMPTS)], "sampling_params": _params()}
+        try:
+            return router.post("/generate", payload, timeout=300)
+        except Exception as e:  # counted and shown below, the other requests go on
+            return f"{type(e).__name__}: {e}"
+
     try:
         t0 = time.time()
         got = [one(i) for i in range(len(SPEC_PROMPTS))]
         seconds = time.time() - t0
-        # then SOAK_REQUESTS at SOAK_CONCURRENCY, as issue 16's soak asks of the router's pair
+        # then SOAK_REQUESTS at SOAK_CONCURRENCY through the router
+        router.start()
         t0 = time.time()
         with ThreadPoolExecutor(SOAK_CONCURRENCY) as ex:
-            soak = list(ex.map(one, range(len(SPEC_PROMPTS), len(SPEC_PROMPTS) + SOAK_REQUESTS)))
+            soak_ids = range(len(SPEC_PROMPTS), len(SPEC_PROMPTS) + SOAK_REQUESTS)
+            soak = list(ex.map(routed, soak_ids))
         soak_s = time.time() - t0
         logs = prefill.log_text(), decode.log_text()
         healthy = prefill._healthy() and decode._healthy()
     finally:
+        router.stop()
         prefill.stop()
         decode.stop()
     errors = [g for g in got + soak if not isinstance(g, dict)]
@@ -288,7 +303,8 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
         for i, g in enumerate(soak)
     )
     report(f"GPU P/D atom TP1->TP1 on one H200: {same}/{len(want)} greedy outputs equal unified "
-           f"in {seconds:.1f}s; soak {SOAK_REQUESTS} requests at concurrency {SOAK_CONCURRENCY}: "
+           f"in {seconds:.1f}s; soak through the router, {SOAK_REQUESTS} requests at concurrency "
+           f"{SOAK_CONCURRENCY}: "
            f"{soak_same} equal unified, 0 errors, in {soak_s:.1f}s")  # fmt: skip
     assert "regions (layers 0..3)" in logs[0], logs[0][-3000:]
     # same GPU: the decode's pool is mapped and written by one copy kernel per chunk
