@@ -14,7 +14,8 @@
 # resources as Triton compiles it here, profiles the tuned decode (ncu-decode) and runs the
 # kernel tests.
 # GPU_BUNDLE names the bundle folder (default .gpu). The bundle: parts 1 and 2 from ../shared/gpu/bundle.sh, part 3 (NIXL for the atom P/D backend)
-# from scripts/gpu_bundle_pd.sh; part 3 is small enough to travel with part 1.
+# from scripts/gpu_bundle_pd.sh; part 3 is small enough to travel with part 1. Part 4 (SGLang's PD
+# router, scripts/gpu_bundle_router.sh) travels in a call of its own between those two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: gpu_call.sh WHAT [args]}; shift

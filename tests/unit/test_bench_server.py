@@ -374,6 +374,38 @@ def test_chain_rows_stay_within_the_targets_trained_length():
     assert dspark.chain_output(16) == 16 and dspark.chain_output(0) == 1
 
 
+def test_m3_base_row_stays_for_the_runs_that_need_it(tmp_path):
+    """A later run that measures the 1K workload again replaces that row, but the old one stays
+    while an older run's longer workload is still measured against it; a long step no longer
+    than its 1K step reads as below noise, not as a negative time."""
+    import bench_server
+
+    rng = random.Random()
+    b, long = 16, 131072
+    base_tok = rng.uniform(3000, 5000)
+    full = dict(backend="atom", output=64, byte_limit_tok_s=0.0, weights="fp8", index="fp8")
+    old_base = dict(_row("r0", "sparse", b, m3.BASE_PROMPT, base_tok), **full)
+    old_long = dict(_row("r0", "sparse", b, long, base_tok * 0.9), **full)
+    (tmp_path / "server.json").write_text(json.dumps({"rows": [old_base, old_long]}))
+    fields = {k: old_base[k] for k in ("model", "backend", "kv", "batch", "prompt", "output")}
+    extra = {"sparse": "sparse", "weights": "fp8", "index": "fp8"}
+    new = bench_server.Row(**fields, run="r1", decode_tok_s=base_tok * 1.01, ttft_s=0.1,
+                           byte_limit_tok_s=0.0, extra=extra)  # fmt: skip
+    rows = bench_server.merge(tmp_path / "server.json", {}, [new])["rows"]
+    assert sorted(r["run"] for r in rows) == ["r0", "r0", "r1"]
+    d = m3.derive(rows)
+    want = (b / (base_tok * 0.9) - b / base_tok) * 1e3
+    assert d[("r0", "fp8", "fp8", "sparse", b, long)]["attn_ms"] == pytest.approx(want)
+    # without the older run's long row, its 1K row is simply replaced
+    (tmp_path / "server.json").write_text(json.dumps({"rows": [old_base]}))
+    rows = bench_server.merge(tmp_path / "server.json", {}, [new])["rows"]
+    assert [r["run"] for r in rows] == ["r1"]
+    # a long step faster than the 1K one (batch 1 noise)
+    noisy = [_row("r2", "dense", 1, m3.BASE_PROMPT, 400.0), _row("r2", "dense", 1, long, 420.0)]
+    assert m3.derive(noisy)[("r2", "bf16", "-", "dense", 1, long)] == {"attn_noise": True}
+    assert "< noise" in m3.m3_table(noisy)
+
+
 def test_dspark_rows_with_and_without_overlap_are_kept_apart(tmp_path):
     """``--spec-overlap on,off``: a DSpark row measured without overlap scheduling is its own
     configuration (a later run of the other mode keeps it), and both tables name it."""
