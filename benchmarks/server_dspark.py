@@ -41,7 +41,7 @@ def overlap_note(r: dict) -> str:
     return ", no overlap" if r.get("overlap") == "off" else ""
 
 
-STEP_TARGET = 1.35  # issue 14: one draft+verify step <= 1.35x a plain decode step
+STEP_TARGET = 1.35  # one draft+verify step <= 1.35x a plain decode step
 
 
 def parse_blocks(text: str) -> list[tuple[int, int]]:
@@ -144,7 +144,7 @@ SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
 # --spec-chain: the word-chain llama target (sgl_atom.testing.tiny "llama-chain") and the draft
 # distilled against it (sgl_atom/testing/assets/dspark-llama-chain), real acceptance
 CHAIN_PROMPT = 64  # tokens of words per prompt
-CHAIN_TARGETS = {1: 2.5, 32: 1.8}  # issue 14: tokens/s over plain at batch 1 and 32
+CHAIN_TARGETS = {1: 2.5, 32: 1.8}  # tokens/s over plain at batch 1 and 32
 # The target learnt its chains on 160-token sequences (tools/dspark_training/train_target.py
 # --seq-len) and the draft was distilled on 64 generated tokens (the asset's distill.json):
 # past that the target leaves the chain, acceptance falls (on the H200: 3.1 tokens/forward over

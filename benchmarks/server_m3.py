@@ -29,7 +29,7 @@ DEFAULT_WORKLOADS = "1x32768,1x65536,1x131072,16x32768,16x65536,16x131072"
 BASE_PROMPT = 1024  # the short workload each batch is compared with
 DEFAULT_LAYERS = 6
 ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
-# issue 15's targets at 128K, batch 16
+# the M3 targets at 128K, batch 16
 TARGET_TOK_S, TARGET_ATTN = 4.0, 10.0
 
 # sgl_atom.testing.tiny.m3_config's fields at MiniMax-M2's layer shape

@@ -29,7 +29,7 @@ PAIR_ENV = {
     # UCX prints the protocol it picks per transfer size and memory kind into the server log
     "UCX_PROTO_INFO": "y",
 }
-# issue 16's targets
+# the P/D targets
 TARGET_TTFT, TARGET_GBPS_16K, TARGET_GBPS_1K = 1.15, 100.0, 30.0
 
 

@@ -454,7 +454,7 @@ KINDS["llama-chain"] = (
     _asset,
 )
 
-# A MiniMax-M3-style sparse-attention MoE (issue 5). Layer 0: dense attention, dense MLP;
+# A MiniMax-M3-style sparse-attention MoE. Layer 0: dense attention, dense MLP;
 # layers 1-3: sparse attention (ordinal 1 reuses ordinal 0's selection) and MoE.
 KINDS["m3"] = (
     dict(
