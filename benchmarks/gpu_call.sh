@@ -106,7 +106,7 @@ case "$what" in
     python3 benchmarks/profile_decode.py --summarize /tmp/decode_bf16_sass.csv \
       /tmp/decode_fp8_sass.csv > "$OUT/ncu_decode_summary.txt" 2>&1
     tail -n 40 "$OUT"/ncu_decode_summary.txt ;;
-  pack) ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1)
+  pack) pack_out ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1 or not)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   tune-verify) python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
