@@ -48,7 +48,7 @@ def _ms(xs: list[float]) -> str:
 def nixl_rows(reps: int) -> None:
     import torch
 
-    from sgl_atom.disagg.engine import NixlEngine
+    from sgl_atom.disagg.engine import NixlEngine, poll
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -90,8 +90,9 @@ def nixl_rows(reps: int) -> None:
             x = ag.make_prepped_xfer("WRITE", lh, idx, rh, idx)
             ag.transfer(x)
             t1 = time.perf_counter()
-            while ag.check_xfer_state(x) == "PROC":
-                pass
+            # the engine's polling schedule: a busy loop would starve UCX's progress thread
+            assert poll(lambda x=x: ag.check_xfer_state(x) != "PROC", 10) is None
+            assert ag.check_xfer_state(x) == "DONE"
             ag.release_xfer_handle(x)
             if r >= 3:
                 post.append(t1 - t0)
