@@ -44,14 +44,18 @@ VARIANTS = [  # (kv, block_n, num_warps, num_stages, fp8 kv_mode)
     ("fp8", 64, 4, 4, "bits"),
     ("fp8", 64, 4, 4, "f16"),
     ("fp8", 128, 4, 5, "bits"),
+    ("fp8", 128, 4, 3, "pairs"),
+    ("fp8", 128, 4, 3, "f16pairs"),
+    ("fp8", 64, 4, 4, "f16pairs"),
 ]
+PAIRS = ("pairs", "f16pairs")  # the kernel reads the fp8 cache as 16-bit words
 
 
 def compile_decode(
     kv: str, block_n: int, warps: int, stages: int, maxnreg: int | None, mode: str = "bits"
 ):
     fp8 = kv == "fp8"
-    kv_t = "*fp8e4nv" if fp8 else "*bf16"
+    kv_t = ("*i16" if mode in PAIRS else "*fp8e4nv") if fp8 else "*bf16"
     sig = {"Q": "*bf16", "K": kv_t, "V": kv_t, "KS": "*fp32", "VS": "*fp32", "PT": "*i32"}
     sig |= {"SL": "*i32", "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "num_splits": "i32"}
     sig |= {name: "i32" for name in STRIDES}
@@ -76,8 +80,9 @@ SMEM_PER_SM = 228 * 1024
 
 
 def kv_buffers(ttgir: str, block_n: int) -> int:
-    """Tiles of K the pipeliner keeps in flight: the leading dim of its [n, block_n, d] buffer."""
-    found = re.findall(rf"memdesc<(\d+)x{block_n}x128x(?:f8E4M3FN|bf16)", ttgir)
+    """Tiles of K the pipeliner keeps in flight: the leading dim of its [n, block_n, d] buffer
+    (d 64 for the pairs modes' 16-bit words)."""
+    found = re.findall(rf"memdesc<(\d+)x{block_n}x(?:128x(?:f8E4M3FN|bf16)|64xi16)", ttgir)
     return max(map(int, found), default=0)
 
 

@@ -45,15 +45,18 @@ def variants(fp8: bool, quick: bool) -> list[dict]:
     """The default first, then tiling x split waves.
 
     A tiling is (block_n, warps, stages, register cap, fp8 kv_mode). Nsight Compute on the
-    H200 (benchmarks/results/ncu_decode_summary.txt) found the fp8 kernel issue-bound at 204
-    registers (2 blocks of 4 warps per SM), 40% of its instructions the "bits" conversion: so
-    the fp8 tilings pair register caps (more blocks per SM) with the "f16" mode (the hardware's
-    e4m3x2 -> f16x2 conversion, fewer instructions). Deeper pipelines (5+ stages, two K/V tiles
-    in flight) were slower (tune_decode_stages_regs.log) and are left out."""
+    H200 (benchmarks/results/ncu_decode_summary.txt) found the "bits" kernel issue-bound, the
+    8-bit key tile read out of shared memory byte by byte to be laid out for the MMA; the
+    "pairs" modes read K/V as 16-bit words (two e4m3 bytes each) and convert them by bit moves
+    ("pairs") or by the hardware's e4m3x2 -> f16x2 ("f16pairs", fp16 dots). The "bits" tilings
+    stay as the baseline (the H200 file's choice: bn128 s3 under a 128-register cap). Deeper
+    pipelines (5+ stages) and the "f16" cast were slower (tune_decode_stages_regs.log,
+    tune_decode_regs_f16.log) and are left out."""
     default = DEFAULTS["fp8" if fp8 else "bf16"]
     if fp8:
-        tiles = [(128, 4, 3, reg, mode) for mode in ("bits", "f16") for reg in (None, 168, 128)]
-        tiles += [(64, 4, 4, reg, mode) for mode in ("bits", "f16") for reg in (None, 128)]
+        tiles = [(128, 4, 3, reg, "bits") for reg in (None, 128)]
+        for mode in ("pairs", "f16pairs"):
+            tiles += [(64, 4, 4, None, mode), (128, 4, 3, None, mode), (128, 4, 3, 128, mode)]
     else:
         tiles = [(64, 4, 4, None, None), (64, 4, 4, 96, None), (128, 4, 3, None, None)]
     if quick:

@@ -12,9 +12,11 @@ import triton.language as tl
 
 from ..common import next_pow2, num_sms
 from .common import (
+    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
+    attend_tile_pairs,
     check_inputs,
     kv_mode_id,
     on_cpu,
@@ -22,10 +24,8 @@ from .common import (
 )
 
 MAX_SPLITS = 128
-# fp8 K/V in the dots: common.KV_MODES, by default "bits" (common.kv_mode_id). With the bf16
-# cast the fp8 kernel was bound by issuing instructions, not by bytes (Nsight Compute on H200:
-# DRAM 37% busy, few long-scoreboard stalls, benchmarks/results/probe_fp8_decode_ncu.txt);
-# "bits" converts nothing.
+# fp8 K/V in the dots: common.KV_MODES, by default "bits" (common.kv_mode_id); a tuning file
+# picks another (the H200's: "f16pairs", the cache read as 16-bit words, common.attend_tile_pairs)
 MIN_SPLIT_TOKENS = 256  # below this a split costs more in launch and merge than it saves
 
 
@@ -93,70 +93,53 @@ def decode_fwd_kernel(
     q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
     row_limit = seq_len - NUM_Q + tok if CAUSAL else seq_len - 1 + tok * 0
 
-    k_base = K + kvh * HEAD_DIM
-    v_base = V + kvh * HEAD_DIM
+    pt_row = PT + b * stride_pt
     ks_base = KS + kvh
     vs_base = VS + kvh
-    pt_row = PT + b * stride_pt
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_base,
-            v_base,
-            ks_base,
-            vs_base,
-            pt_row,
-            start_n,
-            end,
-            row_limit,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            stride_st,
-            PAGE,
-            BLOCK_N,
-            HEAD_DIM,
-            FP8,
-            False,
-            KV_MODE,
-            DOT_F32,
-        )
-    for start_n in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_base,
-            v_base,
-            ks_base,
-            vs_base,
-            pt_row,
-            start_n,
-            end,
-            row_limit,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            stride_st,
-            PAGE,
-            BLOCK_N,
-            HEAD_DIM,
-            FP8,
-            True,
-            KV_MODE,
-            DOT_F32,
-        )
+    if FP8 and (KV_MODE == 4 or KV_MODE == 5):
+        # "pairs": K/V are 16-bit words of two e4m3 bytes (attend_tile_pairs); q and the output
+        # split into their even and odd dims
+        HALF: tl.constexpr = HEAD_DIM // 2
+        k_base = K + kvh * HALF
+        v_base = V + kvh * HALF
+        q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))
+        acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        for start_n in range(start, full_end, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, ks_base, vs_base, pt_row,
+                start_n, end, row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, False, KV_MODE == 5, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(full_end, end, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, ks_base, vs_base, pt_row,
+                start_n, end, row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, True, KV_MODE == 5, DOT_F32,
+            )  # fmt: skip
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, HEAD_DIM])
+    else:
+        k_base = K + kvh * HEAD_DIM
+        v_base = V + kvh * HEAD_DIM
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for start_n in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
+                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, FP8, False, KV_MODE, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
+                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, FP8, True, KV_MODE, DOT_F32,
+            )  # fmt: skip
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if FP8 and KV_MODE == 3:
+    if FP8 and (KV_MODE == 3 or KV_MODE == 4):
         o = o * OUT_BITS_SCALE
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     w_ok = row_ok & (start < end)
@@ -309,12 +292,15 @@ def split_kv_attention(
     block_n = block_n or cfg["block_n"]
     kv_mode = kv_mode_id(kv_mode, q) if fp8 else 0
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
+    k_in, v_in = k_cache, v_cache
+    if kv_mode in (KV_MODES["pairs"], KV_MODES["f16pairs"]):  # 16-bit words of two e4m3 bytes
+        k_in, v_in = k_cache.view(torch.int16), v_cache.view(torch.int16)
     # a register cap per thread lets more programs share an SM (Triton's compile option)
     launch = {"maxnreg": maxnreg} if maxnreg else {}
     decode_fwd_kernel[(batch, kv_heads, num_splits)](
         q,
-        k_cache,
-        v_cache,
+        k_in,
+        v_in,
         ks,
         vs,
         page_table,
@@ -325,8 +311,8 @@ def split_kv_attention(
         num_splits,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        v_cache.stride(0),
+        k_in.stride(0),
+        v_in.stride(0),
         kv_heads,
         page_table.stride(0),
         o_part.stride(0),

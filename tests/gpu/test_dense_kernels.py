@@ -182,8 +182,12 @@ TUNED_TOL = 1e-2  # bf16 dot operands (q, p) on the GPU; half the older kernels'
 TILINGS = {  # what benchmarks/tune_decode.py sweeps (and a tuning file may pick): block_n,
     # warps, stages, register cap, fp8 kv_mode (None: the launcher's, "bits" for a bf16 q)
     "bf16": [(64, 4, 4, None, None), (64, 4, 4, 96, None), (128, 4, 3, None, None)],
-    "fp8": [(128, 4, 3, reg, mode) for mode in (None, "f16") for reg in (None, 168, 128)]
-    + [(64, 4, 4, reg, mode) for mode in (None, "f16") for reg in (None, 128)],
+    "fp8": [(128, 4, 3, reg, None) for reg in (None, 128)]
+    + [
+        (bn, 4, 3 if bn == 128 else 4, reg, mode)
+        for mode in ("pairs", "f16pairs")
+        for bn, reg in ((64, None), (128, None), (128, 128))
+    ],
 }
 
 

@@ -144,13 +144,21 @@ def test_fp8_kv_modes(op):
             return pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), k_scale=ks,
                                  v_scale=vs, kv_mode=mode)  # fmt: skip
 
-    outs = {mode: run(mode) for mode in ("bf16", "f16", "bits")}
+    modes = ("bf16", "f16", "bits") + (("pairs", "f16pairs") if op == "decode" else ())
+    outs = {mode: run(mode) for mode in modes}
     for out in outs.values():
         assert_close_rel(out, ref, TOL)
     # the same numbers up to the output's last bit
     torch.testing.assert_close(outs["bits"], outs["bf16"], rtol=2**-7, atol=1e-5)
     if DEV == "cpu":
         assert (outs["bits"] == outs["bf16"]).float().mean() > 0.999
+    if op == "decode":  # the pairs modes: the same bits (fp16's for f16pairs), other dots
+        torch.testing.assert_close(outs["pairs"], outs["bits"], rtol=2**-7, atol=1e-5)
+        torch.testing.assert_close(outs["f16pairs"], outs["f16"], rtol=2**-7, atol=1e-5)
+    else:
+        for mode in ("pairs", "f16pairs"):
+            with pytest.raises(ValueError, match=f"extend_fwd does not take kv_mode '{mode}'"):
+                run(mode)
     assert torch.equal(run(None), outs["bits"]), "bits is the default"
 
 
@@ -164,8 +172,9 @@ def test_fp8_kv_mode_follows_q_dtype():
     assert kv_mode_id("f16", bf16) == modes["f16"]
     with pytest.raises(ValueError, match="kv_mode 'int4'"):
         kv_mode_id("int4", bf16)
-    with pytest.raises(ValueError, match="'bits' needs a bf16 q"):
-        kv_mode_id("bits", bf16.half())
+    for mode in ("bits", "pairs"):
+        with pytest.raises(ValueError, match=f"'{mode}' needs a bf16 q"):
+            kv_mode_id(mode, bf16.half())
     lens = [63, 1, 130]
     kc, vc, ks, vs, table, sl = paged_kv(lens, 2, 64, 16, FP8, DEV, seed=5)
     q = queries(len(lens), 8, 64, DEV).half()
@@ -231,13 +240,14 @@ def _shift_pages(t, page_size):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("op", ["decode", "verify", "extend"])
+@pytest.mark.parametrize("op", ["decode", "verify", "extend", "verify-pairs"])
 def test_nonfinite_scale_in_unused_page_0(op, bad):
     """Keys past a sequence's end map to page 0; its scales are read by no sequence, so a NaN
     or inf there must not reach any output."""
     ps, hq, hkv, d = 16, 8, 2, 64
     lens = [37, 5, 70]
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=11)
+    op, _, mode = op.partition("-")
     qrows = {"decode": 1, "verify": 3, "extend": 4}[op]
     q = queries(len(lens) * qrows, hq, d, DEV, seed=12)
     args = (table, sl, ps, d**-0.5)
@@ -252,6 +262,8 @@ def test_nonfinite_scale_in_unused_page_0(op, bad):
     ks2[:ps], vs2[:ps] = bad, bad
     t2 = table + 1
     kw = dict(out=_out(q), k_scale=ks2, v_scale=vs2)
+    if mode:
+        kw["kv_mode"] = mode
     if op == "decode":
         out = pa.decode_fwd(q, kc2, vc2, t2, sl, ps, d**-0.5, num_splits=3, **kw)
     elif op == "verify":
@@ -262,7 +274,7 @@ def test_nonfinite_scale_in_unused_page_0(op, bad):
     assert_close_rel(out, ref, TOL)
 
 
-@pytest.mark.parametrize("mode", ["bits", "bf16", "f16"])
+@pytest.mark.parametrize("mode", ["bits", "bf16", "f16", "pairs", "f16pairs"])
 def test_fp8_large_v_scale(mode):
     """|V| near 1e9 (v_scale ~2^21): each mode keeps its dot operands in range (the bits mode
     scaled p * v_scale by 2^112, past fp32's largest value once v_scale >= 2^16)."""
