@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.paged_attention.common import kv_mode_id
+from ..kernels.paged_attention.common import KV_MODES, kv_mode_id
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 KV_KINDS = ("bf16", "fp8")
@@ -63,7 +63,7 @@ _CHECKS = {
     "block_n": lambda v: v in (16, 32, 64, 128, 256),
     "num_warps": lambda v: v in (1, 2, 4, 8, 16),
     "num_stages": lambda v: isinstance(v, int) and 1 <= v <= 8,
-    "kv_mode": lambda v: v in ("bf16", "f16", "fp8", "bits"),
+    "kv_mode": lambda v: v in KV_MODES,
     "maxnreg": lambda v: isinstance(v, int) and 32 <= v <= 255,
     "waves": lambda v: isinstance(v, (int, float)) and 0.25 <= v <= 64,
 }

@@ -113,3 +113,14 @@ def test_committed_h200_verify_tiling():
     tuning, source = dt.load("bf16", "NVIDIA H200", section="verify")
     assert source.endswith("NVIDIA_H200.json")
     assert tuning.kernel_kwargs() == {"block_n": 128, "num_warps": 4, "num_stages": 3}
+
+
+def test_every_kernel_kv_mode_is_a_valid_entry(tmp_path):
+    """A file may name any mode the kernels take (the sweep writes "f16pairs" on the H200)."""
+    from sgl_atom.kernels.paged_attention.common import KV_MODES
+
+    for mode in KV_MODES:
+        tuning, _ = dt.load("fp8", "X", _write(tmp_path, {"fp8": {"kv_mode": mode}}))
+        assert tuning.kernel_kwargs() == {"kv_mode": mode}
+    with pytest.raises(dt.DecodeTuningError, match="'pairs' needs a bf16 q"):
+        dt.check_kv_mode(dt.DecodeTuning(kv_mode="pairs"), torch.float16, "f.json")
