@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
@@ -232,6 +233,9 @@ def extend_fwd(
     Returns out.
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
+    mode = kv_mode_id(kv_mode, q) if fp8 else 0
+    if mode in (KV_MODES["pairs"], KV_MODES["f16pairs"]):
+        raise ValueError(f"extend_fwd does not take kv_mode {kv_mode!r} (decode and verify only)")
     batch = seq_lens.shape[0]
     q_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[1]
@@ -246,7 +250,9 @@ def extend_fwd(
         max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if batch else 0
     if batch == 0 or max_qo_len == 0:
         return out
-    cfg = _config(head_dim, fp8, on_cpu(q))
+    # with k_new most keys are the new tokens' own 16-bit rows: the 16-bit tiling (fp8's is
+    # 1.5x slower there, benchmarks/results/probe_extend_fp8.log)
+    cfg = _config(head_dim, fp8 and k_new is None, on_cpu(q))
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     split = fp8 and k_new is not None
@@ -292,7 +298,7 @@ def extend_fwd(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         FP8=fp8,
-        KV_MODE=kv_mode_id(kv_mode, q) if fp8 else 0,
+        KV_MODE=mode,
         DOT_F32=on_cpu(q),
         SPLIT=split,
         num_warps=num_warps or cfg["num_warps"],
