@@ -6,7 +6,9 @@ passes them (only a cached prefix is read from fp8).
     python3 benchmarks/probe_extend_fp8.py
 
 Rows: a fresh prompt (no prefix) and a second chunk over a cached prefix; for each, the bf16
-cache, the fp8 cache under the launcher's fp8 tiling, and the fp8 cache under the bf16 tiling.
+cache, the fp8 cache under the fp8 tiling and under the 16-bit one (what `extend_fwd` takes
+when the new tokens' K/V are passed), and the latter with the cached prefix read in the pairs
+modes (16-bit words of two e4m3 bytes).
 """
 
 from __future__ import annotations
@@ -33,13 +35,16 @@ def main() -> None:
     print(f"{device_name()}: {HQ} q / {HKV} KV heads, d{D}, page {PAGE}, one layer")
     rows = []
     bf16_cfg = pa.extend._config(D, False, cpu=False)
+    fp8_cfg = pa.extend._config(D, True, cpu=False)
     for prefix, new in CASES:
         total = prefix + new
         base = None
         for label, fp8, cfg in (
-            ("bf16 cache", False, {}),
-            ("fp8 cache, fp8 tiling", True, {}),
+            ("bf16 cache", False, bf16_cfg),
+            ("fp8 cache, fp8 tiling", True, fp8_cfg),
             ("fp8 cache, bf16 tiling", True, bf16_cfg),
+            ("fp8 cache, bf16 tiling, pairs", True, dict(bf16_cfg, kv_mode="pairs")),
+            ("fp8 cache, bf16 tiling, f16pairs", True, dict(bf16_cfg, kv_mode="f16pairs")),
         ):
             kc, vc, ks, vs, table, lens = paged(1, total, PAGE, fp8, kv_heads=HKV)
             q = torch.randn(new, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -70,9 +75,8 @@ def main() -> None:
             st = time_ms(store, graph=False)
             at = time_ms(attend, graph=False)
             base = base or (st + at)
-            tiling = "M{block_m} N{block_n} w{num_warps} s{num_stages}".format(
-                **(cfg or pa.extend._config(D, fp8, cpu=False))
-            )
+            tiling = "M{block_m} N{block_n} w{num_warps} s{num_stages}".format(**cfg)
+            tiling += f" {cfg['kv_mode']}" if "kv_mode" in cfg else ""
             rows.append([f"{prefix}+{new}", label, tiling, st, at, (st + at) / base, err])
             print(f"  {rows[-1]}", flush=True)
             del kc, vc, ks, vs

@@ -98,8 +98,8 @@ LOG2E = 1.4426950408889634
 #     value times 2^-120), q times 2^64 and p times v_scale * 2^112, the powers of two undone on
 #     the scores and on the output; numerically the "bf16" cast, with no conversion at all (on
 #     H200 it beat K-only bits with V cast, benchmarks/results/tune_fp8_decode.log's "kbits");
-#   "pairs" and "f16pairs" (decode and verify only, `attend_tile_pairs`): the cache read as
-#     16-bit words of two e4m3 bytes, the even dims' and the odd dims' tiles made from them
+#   "pairs" and "f16pairs" (`attend_tile_pairs`; extend reads its cached prefix so): the cache
+#     read as 16-bit words of two e4m3 bytes, the even dims' and the odd dims' tiles made from them
 #     ("bits"' moves, or the hardware's e4m3x2 -> f16x2 with q and p as in "f16"), q and the
 #     output split the same way. The 8-bit tiles of the modes above are read out of shared
 #     memory byte by byte to be laid out for the MMA, which left the "bits" kernel issue-bound

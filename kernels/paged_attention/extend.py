@@ -21,6 +21,7 @@ from .common import (
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
+    attend_tile_pairs,
     check_inputs,
     kv_mode_id,
     on_cpu,
@@ -110,7 +111,7 @@ def extend_fwd_kernel(
                 start_n, diag_end, row_limit, qk_n, stride_knt, stride_vnt, stride_st,
                 1, BLOCK_N, HEAD_DIM, False, True, 0, DOT_F32,
             )  # fmt: skip
-        if FP8 and KV_MODE == 3:  # the fp8 tiles below add acc x 2^-8 (see attend_tile)
+        if FP8 and (KV_MODE == 3 or KV_MODE == 4):  # the fp8 tiles add acc x 2^-8 (attend_tile)
             acc = acc * (1.0 / OUT_BITS_SCALE)
         # the cached prefix: whole tiles, then the one the prefix ends in
         full_end = tl.where(live, prefix // BLOCK_N * BLOCK_N, 0)
@@ -118,60 +119,40 @@ def extend_fwd_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
     q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_base,
-            v_base,
-            KS + kvh,
-            VS + kvh,
-            pt_row,
-            start_n,
-            diag_end,
-            row_limit,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            stride_st,
-            PAGE,
-            BLOCK_N,
-            HEAD_DIM,
-            FP8,
-            False,
-            KV_MODE,
-            DOT_F32,
-        )
-    for start_n in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_base,
-            v_base,
-            KS + kvh,
-            VS + kvh,
-            pt_row,
-            start_n,
-            diag_end,
-            row_limit,
-            qk_scale,
-            stride_kt,
-            stride_vt,
-            stride_st,
-            PAGE,
-            BLOCK_N,
-            HEAD_DIM,
-            FP8,
-            True,
-            KV_MODE,
-            DOT_F32,
-        )
+    if FP8 and (KV_MODE == 4 or KV_MODE == 5):
+        # "pairs": the cache as 16-bit words of two e4m3 bytes (attend_tile_pairs); q and the
+        # accumulator split into their even and odd dims for the prefix, joined after it
+        HALF: tl.constexpr = HEAD_DIM // 2
+        q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))
+        acc_lo, acc_hi = tl.split(tl.reshape(acc, [BLOCK_M, HALF, 2]))
+        for start_n in range(0, full_end, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, K + kvh * HALF, V + kvh * HALF, KS + kvh,
+                VS + kvh, pt_row, start_n, diag_end, row_limit, qk_scale, stride_kt, stride_vt,
+                stride_st, PAGE, BLOCK_N, HEAD_DIM, False, KV_MODE == 5, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(full_end, diag_end, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, K + kvh * HALF, V + kvh * HALF, KS + kvh,
+                VS + kvh, pt_row, start_n, diag_end, row_limit, qk_scale, stride_kt, stride_vt,
+                stride_st, PAGE, BLOCK_N, HEAD_DIM, True, KV_MODE == 5, DOT_F32,
+            )  # fmt: skip
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, HEAD_DIM])
+    else:
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, KS + kvh, VS + kvh, pt_row, start_n, diag_end,
+                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, FP8, False, KV_MODE, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(full_end, diag_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, KS + kvh, VS + kvh, pt_row, start_n, diag_end,
+                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, FP8, True, KV_MODE, DOT_F32,
+            )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if FP8 and KV_MODE == 3:
+    if FP8 and (KV_MODE == 3 or KV_MODE == 4):
         o = o * OUT_BITS_SCALE
     tl.store(
         Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -225,7 +206,8 @@ def extend_fwd(
     out: like q, rows of all sequences written (allocated when None).
     max_qo_len: longest qo_len (read from qo_indptr, a device sync, when None).
     block_m (rows = tokens × GQA group), block_n, num_warps, num_stages, kv_mode (fp8: a
-      `KV_MODES` name): tuning overrides.
+      `KV_MODES` name; the pairs modes read the cached prefix as 16-bit words): tuning
+      overrides.
     k_new, v_new: [total_q, kv_heads, head_dim] in q's dtype, the new tokens' K/V as computed
       (rows as q's). With an fp8 cache the new tokens attend to these rows instead of their
       quantized copies in the cache, which is then read for the prefix only; ignored with a
@@ -234,8 +216,9 @@ def extend_fwd(
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
     mode = kv_mode_id(kv_mode, q) if fp8 else 0
-    if mode in (KV_MODES["pairs"], KV_MODES["f16pairs"]):
-        raise ValueError(f"extend_fwd does not take kv_mode {kv_mode!r} (decode and verify only)")
+    k_in, v_in = k_cache, v_cache
+    if mode in (KV_MODES["pairs"], KV_MODES["f16pairs"]):  # 16-bit words of two e4m3 bytes
+        k_in, v_in = k_cache.view(torch.int16), v_cache.view(torch.int16)
     batch = seq_lens.shape[0]
     q_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[1]
@@ -270,8 +253,8 @@ def extend_fwd(
     grid = (triton.cdiv(max_qo_len * group, block_m), kv_heads, batch)
     extend_fwd_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        k_in,
+        v_in,
         ks,
         vs,
         page_table,
@@ -284,8 +267,8 @@ def extend_fwd(
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        v_cache.stride(0),
+        k_in.stride(0),
+        v_in.stride(0),
         kv_heads,
         page_table.stride(0),
         out.stride(0),

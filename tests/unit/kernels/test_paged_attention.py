@@ -90,7 +90,10 @@ def _new_rows_of(cache, table, lens, new, page_size):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("ps,mode", [(1, "bits"), (16, "bits"), (16, "bf16"), (16, "f16")])
+@pytest.mark.parametrize(
+    "ps,mode",
+    [(1, "bits"), (16, "bits"), (16, "bf16"), (16, "f16"), (16, "pairs"), (1, "f16pairs")],
+)
 def test_fp8_extend_reads_the_new_tokens_as_computed(ps, mode):
     """With an fp8 cache and k_new/v_new, the new tokens attend to those exact 16-bit rows and
     only the cached prefix is read from fp8: the new tokens' cache rows are poisoned (NaN
@@ -144,21 +147,16 @@ def test_fp8_kv_modes(op):
             return pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), k_scale=ks,
                                  v_scale=vs, kv_mode=mode)  # fmt: skip
 
-    modes = ("bf16", "f16", "bits") + (("pairs", "f16pairs") if op == "decode" else ())
-    outs = {mode: run(mode) for mode in modes}
+    outs = {mode: run(mode) for mode in ("bf16", "f16", "bits", "pairs", "f16pairs")}
     for out in outs.values():
         assert_close_rel(out, ref, TOL)
     # the same numbers up to the output's last bit
     torch.testing.assert_close(outs["bits"], outs["bf16"], rtol=2**-7, atol=1e-5)
     if DEV == "cpu":
         assert (outs["bits"] == outs["bf16"]).float().mean() > 0.999
-    if op == "decode":  # the pairs modes: the same bits (fp16's for f16pairs), other dots
-        torch.testing.assert_close(outs["pairs"], outs["bits"], rtol=2**-7, atol=1e-5)
-        torch.testing.assert_close(outs["f16pairs"], outs["f16"], rtol=2**-7, atol=1e-5)
-    else:
-        for mode in ("pairs", "f16pairs"):
-            with pytest.raises(ValueError, match=f"extend_fwd does not take kv_mode '{mode}'"):
-                run(mode)
+    # the pairs modes: the same values as bits (fp16's for f16pairs) through other dots
+    torch.testing.assert_close(outs["pairs"], outs["bits"], rtol=2**-7, atol=1e-5)
+    torch.testing.assert_close(outs["f16pairs"], outs["f16"], rtol=2**-7, atol=1e-5)
     assert torch.equal(run(None), outs["bits"]), "bits is the default"
 
 
@@ -240,7 +238,7 @@ def _shift_pages(t, page_size):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("op", ["decode", "verify", "extend", "verify-pairs"])
+@pytest.mark.parametrize("op", ["decode", "verify", "extend", "verify-pairs", "extend-f16pairs"])
 def test_nonfinite_scale_in_unused_page_0(op, bad):
     """Keys past a sequence's end map to page 0; its scales are read by no sequence, so a NaN
     or inf there must not reach any output."""
