@@ -193,26 +193,25 @@ def fp8_pair_bits(x, F16: tl.constexpr, DOT_F32: tl.constexpr):
             lo = fp8_bits(lo, DOT_F32)
             hi = fp8_bits(hi, DOT_F32)
     elif F16:
-        lo = _pair_to_f16_asm(w, "0x3120", "lo")
-        hi = _pair_to_f16_asm(w, "0x3120", "hi")
+        lo = _pair_to_f16_asm(w, "lo")
+        hi = _pair_to_f16_asm(w, "hi")
     else:
         lo = _pair_bits_to_bf16_asm(w, "0x2404")
         hi = _pair_bits_to_bf16_asm(w, "0x3414")
     return lo, hi
 
 
-# two 16-bit words in, one fp16x2 out: the words' low bytes (or high bytes) gathered into one
-# 16-bit half (prmt) and converted by the hardware's e4m3x2 -> f16x2
+# two 16-bit words in, one fp16x2 out: the words' low bytes (HALF "lo") or high bytes ("hi")
+# gathered into one 16-bit half (prmt 0x3120: bytes 0, 2, 1, 3) and converted by the
+# hardware's e4m3x2 -> f16x2
 @triton.jit
-def _pair_to_f16_asm(w, SELECT: tl.constexpr, HALF: tl.constexpr):
+def _pair_to_f16_asm(w, HALF: tl.constexpr):
     return tl.inline_asm_elementwise(
         asm="""
         {
         .reg .b32 x;
         .reg .b16 lo, hi;
-        prmt.b32 x, $1, 0, """
-        + SELECT
-        + """;
+        prmt.b32 x, $1, 0, 0x3120;
         mov.b32 {lo, hi}, x;
         cvt.rn.f16x2.e4m3x2 $0, """
         + HALF
