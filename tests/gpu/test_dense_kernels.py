@@ -145,6 +145,28 @@ def test_verify(dtype, num_draft):
     assert_close_rel(out, pa.reference_verify(q, kc, vc, table, sl, 16, 128**-0.5, ks, vs), TOL)
 
 
+@pytest.mark.parametrize("kv_mode", ["pairs", "f16pairs"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "block"])
+@pytest.mark.parametrize("num_draft", [5, 8], ids=lambda n: f"draft{n}")
+def test_verify_fp8_pairs_modes(kv_mode, causal, num_draft):
+    """Target verify (and a block drafter's non-causal pass) over fp8 K/V read as 16-bit
+    words, at the server's head shape, split 1 and 3 ways, against float64."""
+    lens = [4096, 40, 3000]
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 8, 128, 16, FP8, DEV, seed=num_draft)
+    q = queries(len(lens) * num_draft, 32, 128, DEV, seed=41)
+    if causal:
+        ref = pa.reference_verify(q, kc, vc, table, sl, 16, 128**-0.5, ks, vs)
+    else:  # each row a decode over its whole sequence
+        rows = torch.arange(len(lens), device=DEV).repeat_interleave(num_draft)
+        ref = pa.reference_decode(q, kc, vc, table[rows].contiguous(), sl[rows].contiguous(), 16,
+                                  128**-0.5, ks, vs)  # fmt: skip
+    for splits in (1, 3):
+        out = pa.verify_fwd(q, kc, vc, table, sl, 16, 128**-0.5, num_draft, causal=causal,
+                            out=poisoned(q.shape, q.dtype, DEV), k_scale=ks, v_scale=vs,
+                            num_splits=splits, kv_mode=kv_mode)  # fmt: skip
+        assert_close_rel(out, ref, TUNED_TOL, f"splits {splits}")
+
+
 def test_decode_cuda_graph_replay():
     """Capture once with a static workspace and fixed splits; replay with new lengths and data."""
     lens = [4000, 100, 9000, 1]

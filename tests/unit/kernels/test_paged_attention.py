@@ -205,8 +205,12 @@ def test_verify(case, num_draft):
     assert_close_rel(out, ref, TOL)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_id)
-def test_verify_non_causal(case):
+@pytest.mark.parametrize(
+    "case,kv_mode",
+    [(CASES[1], None), (CASES[1], "f16pairs"), (CASES[2], None)],
+    ids=lambda v: _id(v) if isinstance(v, tuple) else str(v),
+)
+def test_verify_non_causal(case, kv_mode):
     """causal=False: every draft row sees all of its sequence's keys, its own block included
     (each row is then a decode over the whole sequence)."""
     ps, hq, hkv, d, dt = case
@@ -214,7 +218,7 @@ def test_verify_non_causal(case):
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=11)
     q = queries(len(lens) * num_draft, hq, d, DEV, seed=12)
     out = pa.verify_fwd(q, kc, vc, table, sl, ps, d**-0.5, num_draft, out=_out(q), k_scale=ks,
-                        v_scale=vs, num_splits=3, causal=False)  # fmt: skip
+                        v_scale=vs, num_splits=3, causal=False, kv_mode=kv_mode)  # fmt: skip
     rows = torch.arange(len(lens), device=DEV).repeat_interleave(num_draft)
     ref = pa.reference_decode(q, kc, vc, table[rows].contiguous(), sl[rows].contiguous(), ps,
                               d**-0.5, ks, vs)  # fmt: skip
