@@ -126,6 +126,19 @@ def kv_mode_id(kv_mode: str | None, q: torch.Tensor) -> int:
     return KV_MODES[kv_mode]
 
 
+PAIRS_MODES = (KV_MODES["pairs"], KV_MODES["f16pairs"])
+
+
+def kernel_caches(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, kv_mode: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V caches as the kernel takes them: in the pairs modes 16-bit views (each word the
+    e4m3 bytes of dims 2j and 2j + 1; strides then count words), else as they are."""
+    if kv_mode in PAIRS_MODES:
+        return k_cache.view(torch.int16), v_cache.view(torch.int16)
+    return k_cache, v_cache
+
+
 Q_BITS_SCALE = tl.constexpr(2.0**64)  # "bits": q times this ...
 QK_BITS_SCALE = tl.constexpr(2.0**56)  # ... and K's 2^-120: the scores come out times 2^-56
 P_BITS_SCALE = tl.constexpr(2.0**112)  # "bits": p * v_scale / tile max, times this; out 2^-8

@@ -12,12 +12,12 @@ import triton.language as tl
 
 from ..common import next_pow2, num_sms
 from .common import (
-    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
     attend_tile_pairs,
     check_inputs,
+    kernel_caches,
     kv_mode_id,
     on_cpu,
     prepare_q,
@@ -292,9 +292,7 @@ def split_kv_attention(
     block_n = block_n or cfg["block_n"]
     kv_mode = kv_mode_id(kv_mode, q) if fp8 else 0
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
-    k_in, v_in = k_cache, v_cache
-    if kv_mode in (KV_MODES["pairs"], KV_MODES["f16pairs"]):  # 16-bit words of two e4m3 bytes
-        k_in, v_in = k_cache.view(torch.int16), v_cache.view(torch.int16)
+    k_in, v_in = kernel_caches(k_cache, v_cache, kv_mode)
     # a register cap per thread lets more programs share an SM (Triton's compile option)
     launch = {"maxnreg": maxnreg} if maxnreg else {}
     decode_fwd_kernel[(batch, kv_heads, num_splits)](

@@ -17,12 +17,12 @@ import triton
 import triton.language as tl
 
 from .common import (
-    KV_MODES,
     LOG2E,
     OUT_BITS_SCALE,
     attend_tile,
     attend_tile_pairs,
     check_inputs,
+    kernel_caches,
     kv_mode_id,
     on_cpu,
     prepare_q,
@@ -216,9 +216,7 @@ def extend_fwd(
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
     mode = kv_mode_id(kv_mode, q) if fp8 else 0
-    k_in, v_in = k_cache, v_cache
-    if mode in (KV_MODES["pairs"], KV_MODES["f16pairs"]):  # 16-bit words of two e4m3 bytes
-        k_in, v_in = k_cache.view(torch.int16), v_cache.view(torch.int16)
+    k_in, v_in = kernel_caches(k_cache, v_cache, mode)
     batch = seq_lens.shape[0]
     q_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[1]
