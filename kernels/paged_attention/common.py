@@ -459,6 +459,74 @@ def attend_tile_pairs(
 
 
 @triton.jit
+def attend_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    ks_base,
+    vs_base,
+    pt_row,
+    kvh,
+    start,
+    full_end,
+    end,
+    row_limit,
+    qk_scale,
+    stride_kt,
+    stride_vt,
+    stride_st,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+    KV_MODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Keys [start, end) of KV head kvh: whole tiles up to full_end unmasked, the rest masked
+    (`attend_tile`). In the pairs modes (4, 5) K/V are the 16-bit views (`kernel_caches`) and
+    q and acc are split into their even and odd dims for the range (`attend_tile_pairs`),
+    acc joined back after it."""
+    if FP8 and (KV_MODE == 4 or KV_MODE == 5):
+        HALF: tl.constexpr = HEAD_DIM // 2
+        k_base = K + kvh * HALF
+        v_base = V + kvh * HALF
+        q_lo, q_hi = tl.split(tl.reshape(q, [q.shape[0], HALF, 2]))
+        acc_lo, acc_hi = tl.split(tl.reshape(acc, [q.shape[0], HALF, 2]))
+        for start_n in range(start, full_end, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, ks_base, vs_base, pt_row,
+                start_n, end, row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, False, KV_MODE == 5, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(full_end, end, BLOCK_N):
+            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, ks_base, vs_base, pt_row,
+                start_n, end, row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, True, KV_MODE == 5, DOT_F32,
+            )  # fmt: skip
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [q.shape[0], HEAD_DIM])
+    else:
+        k_base = K + kvh * HEAD_DIM
+        v_base = V + kvh * HEAD_DIM
+        for start_n in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
+                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, FP8, False, KV_MODE, DOT_F32,
+            )  # fmt: skip
+        for start_n in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
+                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
+                PAGE, BLOCK_N, HEAD_DIM, FP8, True, KV_MODE, DOT_F32,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def prepare_q(q, qk_scale, FP8: tl.constexpr, KV_MODE: tl.constexpr, DOT_F32: tl.constexpr):
     """(dot operand, score scale) for q [BLOCK_M, HEAD_DIM] as loaded, per `attend_tile` mode.
 

@@ -14,8 +14,7 @@ from ..common import next_pow2, num_sms
 from .common import (
     LOG2E,
     OUT_BITS_SCALE,
-    attend_tile,
-    attend_tile_pairs,
+    attend_range,
     check_inputs,
     kernel_caches,
     kv_mode_id,
@@ -98,44 +97,11 @@ def decode_fwd_kernel(
     vs_base = VS + kvh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if FP8 and (KV_MODE == 4 or KV_MODE == 5):
-        # "pairs": K/V are 16-bit words of two e4m3 bytes (attend_tile_pairs); q and the output
-        # split into their even and odd dims
-        HALF: tl.constexpr = HEAD_DIM // 2
-        k_base = K + kvh * HALF
-        v_base = V + kvh * HALF
-        q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))
-        acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        for start_n in range(start, full_end, BLOCK_N):
-            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
-                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, ks_base, vs_base, pt_row,
-                start_n, end, row_limit, qk_scale, stride_kt, stride_vt, stride_st,
-                PAGE, BLOCK_N, HEAD_DIM, False, KV_MODE == 5, DOT_F32,
-            )  # fmt: skip
-        for start_n in range(full_end, end, BLOCK_N):
-            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
-                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_base, v_base, ks_base, vs_base, pt_row,
-                start_n, end, row_limit, qk_scale, stride_kt, stride_vt, stride_st,
-                PAGE, BLOCK_N, HEAD_DIM, True, KV_MODE == 5, DOT_F32,
-            )  # fmt: skip
-        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, HEAD_DIM])
-    else:
-        k_base = K + kvh * HEAD_DIM
-        v_base = V + kvh * HEAD_DIM
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for start_n in range(start, full_end, BLOCK_N):
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
-                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
-                PAGE, BLOCK_N, HEAD_DIM, FP8, False, KV_MODE, DOT_F32,
-            )  # fmt: skip
-        for start_n in range(full_end, end, BLOCK_N):
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, pt_row, start_n, end,
-                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
-                PAGE, BLOCK_N, HEAD_DIM, FP8, True, KV_MODE, DOT_F32,
-            )  # fmt: skip
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc, m_i, l_i = attend_range(
+        acc, m_i, l_i, q, K, V, ks_base, vs_base, pt_row, kvh, start, full_end, end, row_limit,
+        qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8, KV_MODE, DOT_F32,
+    )  # fmt: skip
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]

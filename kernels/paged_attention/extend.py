@@ -19,8 +19,7 @@ import triton.language as tl
 from .common import (
     LOG2E,
     OUT_BITS_SCALE,
-    attend_tile,
-    attend_tile_pairs,
+    attend_range,
     check_inputs,
     kernel_caches,
     kv_mode_id,
@@ -86,8 +85,6 @@ def extend_fwd_kernel(
     full_end = tl.where(live, (prefix + first_tok) // BLOCK_N * BLOCK_N, 0)
     diag_end = tl.where(live, prefix + last_tok + 1, 0)
 
-    k_base = K + kvh * HEAD_DIM
-    v_base = V + kvh * HEAD_DIM
     pt_row = PT + b * stride_pt
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -99,18 +96,11 @@ def extend_fwd_kernel(
         qn, qk_n = prepare_q(qn, qk_scale, False, 0, DOT_F32)
         idx_row = IDX + (q_start - prefix)
         new_full = tl.where(live, prefix + first_tok // BLOCK_N * BLOCK_N, prefix)
-        for start_n in range(prefix, new_full, BLOCK_N):
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, qn, KN + kvh * HEAD_DIM, VN + kvh * HEAD_DIM, KS, VS, idx_row,
-                start_n, diag_end, row_limit, qk_n, stride_knt, stride_vnt, stride_st,
-                1, BLOCK_N, HEAD_DIM, False, False, 0, DOT_F32,
-            )  # fmt: skip
-        for start_n in range(new_full, diag_end, BLOCK_N):
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, qn, KN + kvh * HEAD_DIM, VN + kvh * HEAD_DIM, KS, VS, idx_row,
-                start_n, diag_end, row_limit, qk_n, stride_knt, stride_vnt, stride_st,
-                1, BLOCK_N, HEAD_DIM, False, True, 0, DOT_F32,
-            )  # fmt: skip
+        acc, m_i, l_i = attend_range(
+            acc, m_i, l_i, qn, KN, VN, KS, VS, idx_row, kvh, prefix, new_full, diag_end,
+            row_limit, qk_n, stride_knt, stride_vnt, stride_st, 1, BLOCK_N, HEAD_DIM, False, 0,
+            DOT_F32,
+        )  # fmt: skip
         if FP8 and (KV_MODE == 3 or KV_MODE == 4):  # the fp8 tiles add acc x 2^-8 (attend_tile)
             acc = acc * (1.0 / OUT_BITS_SCALE)
         # the cached prefix: whole tiles, then the one the prefix ends in
@@ -119,38 +109,11 @@ def extend_fwd_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
     q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
-    if FP8 and (KV_MODE == 4 or KV_MODE == 5):
-        # "pairs": the cache as 16-bit words of two e4m3 bytes (attend_tile_pairs); q and the
-        # accumulator split into their even and odd dims for the prefix, joined after it
-        HALF: tl.constexpr = HEAD_DIM // 2
-        q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))
-        acc_lo, acc_hi = tl.split(tl.reshape(acc, [BLOCK_M, HALF, 2]))
-        for start_n in range(0, full_end, BLOCK_N):
-            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
-                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, K + kvh * HALF, V + kvh * HALF, KS + kvh,
-                VS + kvh, pt_row, start_n, diag_end, row_limit, qk_scale, stride_kt, stride_vt,
-                stride_st, PAGE, BLOCK_N, HEAD_DIM, False, KV_MODE == 5, DOT_F32,
-            )  # fmt: skip
-        for start_n in range(full_end, diag_end, BLOCK_N):
-            acc_lo, acc_hi, m_i, l_i = attend_tile_pairs(
-                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, K + kvh * HALF, V + kvh * HALF, KS + kvh,
-                VS + kvh, pt_row, start_n, diag_end, row_limit, qk_scale, stride_kt, stride_vt,
-                stride_st, PAGE, BLOCK_N, HEAD_DIM, True, KV_MODE == 5, DOT_F32,
-            )  # fmt: skip
-        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, HEAD_DIM])
-    else:
-        for start_n in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, KS + kvh, VS + kvh, pt_row, start_n, diag_end,
-                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
-                PAGE, BLOCK_N, HEAD_DIM, FP8, False, KV_MODE, DOT_F32,
-            )  # fmt: skip
-        for start_n in range(full_end, diag_end, BLOCK_N):
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, KS + kvh, VS + kvh, pt_row, start_n, diag_end,
-                row_limit, qk_scale, stride_kt, stride_vt, stride_st,
-                PAGE, BLOCK_N, HEAD_DIM, FP8, True, KV_MODE, DOT_F32,
-            )  # fmt: skip
+    acc, m_i, l_i = attend_range(
+        acc, m_i, l_i, q, K, V, KS + kvh, VS + kvh, pt_row, kvh, 0, full_end, diag_end,
+        row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
+        KV_MODE, DOT_F32,
+    )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if FP8 and (KV_MODE == 3 or KV_MODE == 4):
         o = o * OUT_BITS_SCALE
