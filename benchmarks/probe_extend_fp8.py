@@ -5,10 +5,11 @@ passes them (only a cached prefix is read from fp8).
 
     python3 benchmarks/probe_extend_fp8.py
 
-Rows: a fresh prompt (no prefix) and a second chunk over a cached prefix; for each, the bf16
-cache, the fp8 cache under the fp8 tiling and under the 16-bit one (what `extend_fwd` takes
-when the new tokens' K/V are passed), and the latter with the cached prefix read in the pairs
-modes (16-bit words of two e4m3 bytes).
+Rows: a fresh prompt (no prefix), a second chunk over a cached prefix and short extends over a
+long one; for each, the bf16 cache, then the fp8 cache under the 16-bit tiling (what
+`extend_fwd` takes when the new tokens' K/V are passed) with the cached prefix converted in the
+kernel (bits, and the pairs modes: 16-bit words of two e4m3 bytes) or dequantized once into a
+bf16 workspace first (`prefix_dequant="on"`), and what "auto" picks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from common import device_name, format_table, import_kernels, time_ms  # noqa: E
 pa = import_kernels("paged_attention")
 kvq = import_kernels("kv_quant")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-CASES = [(0, 16384), (0, 8192), (8192, 8192), (16384, 2048)]  # (cached prefix, new tokens)
+# (cached prefix, new tokens)
+CASES = [(0, 16384), (8192, 8192), (16384, 2048), (16384, 512), (16384, 128), (16384, 32)]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,16 +37,17 @@ def main() -> None:
     print(f"{device_name()}: {HQ} q / {HKV} KV heads, d{D}, page {PAGE}, one layer")
     rows = []
     bf16_cfg = pa.extend._config(D, False, cpu=False)
-    fp8_cfg = pa.extend._config(D, True, cpu=False)
+    off = dict(bf16_cfg, prefix_dequant="off")
     for prefix, new in CASES:
         total = prefix + new
         base = None
         for label, fp8, cfg in (
             ("bf16 cache", False, bf16_cfg),
-            ("fp8 cache, fp8 tiling", True, fp8_cfg),
-            ("fp8 cache, bf16 tiling", True, bf16_cfg),
-            ("fp8 cache, bf16 tiling, pairs", True, dict(bf16_cfg, kv_mode="pairs")),
-            ("fp8 cache, bf16 tiling, f16pairs", True, dict(bf16_cfg, kv_mode="f16pairs")),
+            ("fp8, prefix in kernel: bits", True, dict(off, kv_mode="bits")),
+            ("fp8, prefix in kernel: pairs", True, dict(off, kv_mode="pairs")),
+            ("fp8, prefix in kernel: f16pairs", True, dict(off, kv_mode="f16pairs")),
+            ("fp8, prefix dequantized first", True, dict(bf16_cfg, prefix_dequant="on")),
+            ("fp8, auto", True, dict(bf16_cfg)),
         ):
             kc, vc, ks, vs, table, lens = paged(1, total, PAGE, fp8, kv_heads=HKV)
             q = torch.randn(new, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -55,8 +58,18 @@ def main() -> None:
             loc = slots[prefix:total]
             out = torch.empty_like(q)
             kw = dict(out=out, k_scale=ks, v_scale=vs, max_qo_len=new, **cfg)
+            tiling = "M{block_m} N{block_n} w{num_warps} s{num_stages}".format(**cfg)
+            tiling += f" {cfg['kv_mode']}" if "kv_mode" in cfg else ""
             if fp8:
                 kw.update(k_new=k_new, v_new=v_new)
+            else:
+                kw.pop("prefix_dequant", None)
+            if label.endswith("auto"):  # planned from the host's lengths, as the backend does
+                plan = pa.plan_prefix_dequant(
+                    lens, qo, new, HQ // HKV, HKV, D, prefix_lens=[prefix]
+                )
+                kw.update(prefix_plan=plan, prefix_dequant="auto" if plan else "off")
+                tiling += " -> dequant" if plan is not None else " -> in kernel"
 
             def store(kc=kc, vc=vc, ks=ks, vs=vs, loc=loc, k_new=k_new, v_new=v_new):
                 kvq.store_kv(k_new, v_new, kc, vc, loc, ks, vs)
@@ -69,14 +82,13 @@ def main() -> None:
             nb = min(new, 256)  # the reference over the first query rows
             ref = pa.reference_extend(
                 q[:nb], kc, vc, table, torch.full_like(lens, prefix + nb), qo.clamp(max=nb),
-                PAGE, D**-0.5, ks, vs,
+                PAGE, D**-0.5, ks, vs, k_new=k_new[:nb] if fp8 else None,
+                v_new=v_new[:nb] if fp8 else None,
             )  # fmt: skip
             err = rel_err(out[:nb], ref)
             st = time_ms(store, graph=False)
             at = time_ms(attend, graph=False)
             base = base or (st + at)
-            tiling = "M{block_m} N{block_n} w{num_warps} s{num_stages}".format(**cfg)
-            tiling += f" {cfg['kv_mode']}" if "kv_mode" in cfg else ""
             rows.append([f"{prefix}+{new}", label, tiling, st, at, (st + at) / base, err])
             print(f"  {rows[-1]}", flush=True)
             del kc, vc, ks, vs

@@ -88,6 +88,14 @@ SGL_ATOM_DECODE_TUNING = EnvVar(
     "benchmarks/tune_decode.py --write-config) to use instead of the committed one "
     "for the device (sgl_atom/attention/tuned/); empty: the committed file, else defaults.",
 )
+SGL_ATOM_EXTEND_DEQUANT_MB = EnvVar(
+    "SGL_ATOM_EXTEND_DEQUANT_MB",
+    256,
+    "atom backend, fp8 KV: MiB of bf16 workspace a long extend (a later chunk of a chunked "
+    "prefill) may take to dequantize its batch's cached prefixes once instead of converting "
+    "them in the attention kernel per query tile; a larger batch of prefixes is converted in "
+    "the kernel. 0: never.",
+)
 SGL_ATOM_LOG_LEVEL = EnvVar(
     "SGL_ATOM_LOG_LEVEL",
     "INFO",
@@ -185,6 +193,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_FP8_SCALE,
     SGL_ATOM_M3_INDEX_DTYPE,
     SGL_ATOM_DECODE_TUNING,
+    SGL_ATOM_EXTEND_DEQUANT_MB,
     SGL_ATOM_LOG_LEVEL,
     SGL_ATOM_CPU_KERNELS,
     SGL_ATOM_DSPARK_FAULT,

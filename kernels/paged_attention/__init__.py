@@ -10,7 +10,7 @@ from .common import (
     unsupported_reason,
 )
 from .decode import MAX_SPLITS, decode_fwd, decode_num_splits, decode_workspace, num_sms
-from .extend import extend_fwd
+from .extend import PrefixDequant, dequant_prefix, extend_fwd, plan_prefix_dequant
 from .reference import reference_decode, reference_extend, reference_verify
 from .verify import verify_fwd
 
@@ -27,6 +27,9 @@ __all__ = [
     "decode_workspace",
     "num_sms",
     "extend_fwd",
+    "PrefixDequant",
+    "dequant_prefix",
+    "plan_prefix_dequant",
     "verify_fwd",
     "reference_decode",
     "reference_extend",

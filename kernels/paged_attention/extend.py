@@ -8,9 +8,18 @@ masked. Tiles are issued longest-first (reverse order) to balance the causal tri
 With an fp8 cache and the new tokens' own K/V passed in (``k_new``, ``v_new``, q's dtype), the
 new tokens attend to those exact rows and read only the cached prefix from fp8: a fresh prompt
 runs the 16-bit path alone, and a prefix hit converts only the prefix.
+
+A long extend over a cached fp8 prefix (a later chunk of a chunked prefill) would convert every
+prefix tile once per query tile, in the same warps as the MMAs: compute-bound, that is 1.8x the
+bf16 time at 8K over an 8K prefix. There the prefix is first dequantized once into a bf16
+workspace (`dequant_prefix`, memory-bound: reads the fp8 rows and writes twice their bytes), and
+the extend reads it as 16-bit rows (`plan_prefix_dequant` decides and sizes it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,6 +51,9 @@ def extend_fwd_kernel(
     KN,
     VN,
     IDX,
+    KD,
+    VD,
+    POFF,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -53,6 +65,7 @@ def extend_fwd_kernel(
     stride_oh,
     stride_knt,
     stride_vnt,
+    stride_kdt,
     GROUP: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -62,6 +75,7 @@ def extend_fwd_kernel(
     KV_MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
     SPLIT: tl.constexpr,
+    DEQ: tl.constexpr,
 ):
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -106,14 +120,24 @@ def extend_fwd_kernel(
         # the cached prefix: whole tiles, then the one the prefix ends in
         full_end = tl.where(live, prefix // BLOCK_N * BLOCK_N, 0)
         diag_end = tl.where(live, prefix, 0)
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
-    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
-    acc, m_i, l_i = attend_range(
-        acc, m_i, l_i, q, K, V, KS + kvh, VS + kvh, pt_row, kvh, 0, full_end, diag_end,
-        row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
-        KV_MODE, DOT_F32,
-    )  # fmt: skip
+    if DEQ:
+        # the prefix dequantized to q's dtype (`dequant_prefix`): sequence b's rows start at
+        # POFF[b] of KD/VD, reached through the identity table as a page-size-1 table
+        acc, m_i, l_i = attend_range(
+            acc, m_i, l_i, qn, KD, VD, KS, VS, IDX + tl.load(POFF + b), kvh, 0, full_end,
+            diag_end, row_limit, qk_n, stride_kdt, stride_kdt, stride_st, 1, BLOCK_N, HEAD_DIM,
+            False, 0, DOT_F32,
+        )  # fmt: skip
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw
+        # bits
+        q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
+        acc, m_i, l_i = attend_range(
+            acc, m_i, l_i, q, K, V, KS + kvh, VS + kvh, pt_row, kvh, 0, full_end, diag_end,
+            row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
+            KV_MODE, DOT_F32,
+        )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if FP8 and (KV_MODE == 3 or KV_MODE == 4):
         o = o * OUT_BITS_SCALE
@@ -122,6 +146,136 @@ def extend_fwd_kernel(
         o.to(Out.dtype.element_ty),
         mask=row_ok[:, None],
     )
+
+
+@triton.jit
+def dequant_prefix_kernel(
+    K,
+    V,
+    KS,
+    VS,
+    PT,
+    SL,
+    QO,
+    POFF,
+    KD,
+    VD,
+    kv_heads,
+    stride_kt,
+    stride_st,
+    stride_pt,
+    stride_dt,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(1)
+    prefix = tl.load(SL + b) - (tl.load(QO + b + 1) - tl.load(QO + b))
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < prefix
+    page = tl.load(PT + b * stride_pt + t // PAGE, mask=ok, other=0)
+    slot = page.to(tl.int64) * PAGE + t % PAGE
+    dst = (tl.load(POFF + b) + t).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for h in range(kv_heads):
+        src = slot[:, None] * stride_kt + h * HEAD_DIM + offs_d[None, :]
+        out = dst[:, None] * stride_dt + h * HEAD_DIM + offs_d[None, :]
+        ks = tl.load(KS + slot * stride_st + h, mask=ok, other=0.0)
+        k = tl.load(K + src, mask=ok[:, None], other=0.0).to(tl.float32) * ks[:, None]
+        tl.store(KD + out, k.to(KD.dtype.element_ty), mask=ok[:, None])
+        vs = tl.load(VS + slot * stride_st + h, mask=ok, other=0.0)
+        v = tl.load(V + src, mask=ok[:, None], other=0.0).to(tl.float32) * vs[:, None]
+        tl.store(VD + out, v.to(VD.dtype.element_ty), mask=ok[:, None])
+
+
+# below this many query rows (tokens x GQA group) in the longest extend, each prefix tile is
+# converted by few enough query tiles that converting in the attention kernel reads less
+DEQUANT_MIN_ROWS = 512
+DEQUANT_MAX_BYTES = 256 << 20  # default workspace cap (bf16 K and V of the batch's prefixes)
+
+
+@dataclass(frozen=True)
+class PrefixDequant:
+    """Where an extend's cached fp8 prefixes go when dequantized (`plan_prefix_dequant`)."""
+
+    offsets: torch.Tensor  # [batch] int32: first workspace row of each sequence's prefix
+    tokens: int  # prefix rows over the batch
+    max_prefix: int
+
+
+def plan_prefix_dequant(
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_qo_len: int,
+    group: int,
+    kv_heads: int,
+    head_dim: int,
+    prefix_lens: Sequence[int] | None = None,
+    max_bytes: int = DEQUANT_MAX_BYTES,
+    min_rows: int | None = None,
+) -> PrefixDequant | None:
+    """The workspace plan for `extend_fwd` over an fp8 cache with the new tokens' K/V passed,
+    or None where the prefix stays read from fp8: no prefix, an extend of fewer than
+    ``min_rows`` query rows, or a bf16 workspace (K and V, ``tokens x kv_heads x head_dim x 4``
+    bytes) over ``max_bytes``. ``prefix_lens``: the host's copy of seq_lens - qo_len (SGLang's
+    ``extend_prefix_lens_cpu``); read from the device (a sync) when None. ``min_rows``: None
+    takes DEQUANT_MIN_ROWS."""
+    if max_qo_len * group < (DEQUANT_MIN_ROWS if min_rows is None else min_rows):
+        return None
+    if prefix_lens is None:
+        prefix_lens = (seq_lens - (qo_indptr[1:] - qo_indptr[:-1])).tolist()
+    tokens = int(sum(prefix_lens))
+    if tokens == 0 or tokens * kv_heads * head_dim * 4 > max_bytes:
+        return None
+    starts = [0]
+    for n in prefix_lens[:-1]:
+        starts.append(starts[-1] + int(n))
+    offsets = torch.tensor(starts, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
+    return PrefixDequant(offsets, tokens, int(max(prefix_lens)))
+
+
+def dequant_prefix(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    page_size: int,
+    plan: PrefixDequant,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cached prefix (its first seq_len - qo_len keys) dequantized from the fp8
+    cache: K and V rows [plan.tokens, kv_heads, head_dim] in ``dtype``, sequence b's at
+    plan.offsets[b] onward, row = e4m3 value x its (token, head) scale rounded once."""
+    kv_heads, head_dim = k_cache.shape[1:]
+    kd = torch.empty(plan.tokens, kv_heads, head_dim, dtype=dtype, device=k_cache.device)
+    vd = torch.empty_like(kd)
+    block_t = 16 if on_cpu(kd) else 32
+    grid = (triton.cdiv(plan.max_prefix, block_t), seq_lens.shape[0])
+    dequant_prefix_kernel[grid](
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        page_table,
+        seq_lens,
+        qo_indptr,
+        plan.offsets,
+        kd,
+        vd,
+        kv_heads,
+        k_cache.stride(0),
+        k_scale.stride(0),
+        page_table.stride(0),
+        kd.stride(0),
+        PAGE=page_size,
+        BLOCK_T=block_t,
+        HEAD_DIM=head_dim,
+        num_warps=4,
+    )
+    return kd, vd
 
 
 def _config(head_dim: int, fp8: bool, cpu: bool) -> dict:
@@ -155,6 +309,8 @@ def extend_fwd(
     kv_mode: str | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    prefix_dequant: str = "auto",
+    prefix_plan: PrefixDequant | None = None,
 ) -> torch.Tensor:
     """Causal extend/prefill attention over the paged KV.
 
@@ -175,6 +331,10 @@ def extend_fwd(
       (rows as q's). With an fp8 cache the new tokens attend to these rows instead of their
       quantized copies in the cache, which is then read for the prefix only; ignored with a
       16-bit cache (its rows are these values).
+    prefix_dequant, prefix_plan (fp8 cache with k_new only): "auto" dequantizes the cached
+      prefix into a bf16 workspace first when ``prefix_plan`` says so (planned here with
+      `plan_prefix_dequant`, a device sync, when None); "on" whenever there is a prefix, "off"
+      never (the prefix is converted in the kernel, in ``kv_mode``).
     Returns out.
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
@@ -208,9 +368,27 @@ def extend_fwd(
             assert t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == head_dim, (
                 f"{name}: q's dtype, heads and head_dim contiguous"
             )
-        idx = torch.arange(q.shape[0] + block_n, dtype=torch.int32, device=q.device)
+        if prefix_dequant not in ("auto", "on", "off"):
+            raise ValueError(f"prefix_dequant={prefix_dequant!r}: use 'auto', 'on' or 'off'")
+        if prefix_dequant != "off" and prefix_plan is None:
+            prefix_plan = plan_prefix_dequant(
+                seq_lens, qo_indptr, max_qo_len, group, kv_heads, head_dim,
+                **({"max_bytes": 1 << 62, "min_rows": 0} if prefix_dequant == "on" else {}),
+            )  # fmt: skip
+        deq = prefix_plan is not None and prefix_dequant != "off"
+        rows = max(q.shape[0], prefix_plan.tokens if deq else 0)
+        idx = torch.arange(rows + block_n, dtype=torch.int32, device=q.device)
     else:
         k_new, v_new, idx = k_cache, v_cache, page_table  # unread placeholders
+        deq = False
+    if deq:
+        kd, vd = dequant_prefix(
+            k_cache, v_cache, k_scale, v_scale, page_table, seq_lens, qo_indptr, page_size,
+            prefix_plan, q.dtype,
+        )  # fmt: skip
+        poff, mode, k_in, v_in = prefix_plan.offsets, 0, k_cache, v_cache
+    else:
+        kd, vd, poff = k_new, v_new, qo_indptr  # unread placeholders
     grid = (triton.cdiv(max_qo_len * group, block_m), kv_heads, batch)
     extend_fwd_kernel[grid](
         q,
@@ -225,6 +403,9 @@ def extend_fwd(
         k_new,
         v_new,
         idx,
+        kd,
+        vd,
+        poff,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -236,6 +417,7 @@ def extend_fwd(
         out.stride(1),
         k_new.stride(0),
         v_new.stride(0),
+        kd.stride(0),
         GROUP=group,
         PAGE=page_size,
         BLOCK_M=block_m,
@@ -245,6 +427,7 @@ def extend_fwd(
         KV_MODE=mode,
         DOT_F32=on_cpu(q),
         SPLIT=split,
+        DEQ=deq,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

@@ -18,9 +18,11 @@ from sglang.srt.runtime_context import get_parallel
 from .. import envs
 from ..kernels.paged_attention import (
     MAX_SPLITS,
+    PrefixDequant,
     decode_num_splits,
     decode_workspace,
     num_sms,
+    plan_prefix_dequant,
     unsupported_reason,
 )
 from ..log import get_logger
@@ -46,6 +48,7 @@ class ForwardMetadata:
     max_qo_len: int = 1
     num_draft: int = 0  # verify: draft tokens per request
     num_splits: int = 1  # decode / verify
+    prefix_plan: PrefixDequant | None = None  # fp8 extend: cached prefixes dequantized first
 
 
 def check_servable(head_dim: int, page_size: int, kv_dtype, q_dtype, q_heads: int, kv_heads):
@@ -220,11 +223,36 @@ class AtomAttnBackend(AttentionBackend):
                 qo_indptr,
                 int(max_qo),
             )
+            if self.fp8 and not self.per_tensor_fp8:
+                meta.prefix_plan = self._prefix_plan(forward_batch, meta)
         if (mode.is_decode() or mode.is_target_verify()) and not self.on_cpu:
             # on CPU (Triton's interpreter) programs run one after another: splitting the
             # context only adds work
             meta.num_splits = self._num_splits(bs, max_kv, mode.is_decode())
         self.forward_metadata = meta
+
+    def _prefix_plan(self, forward_batch, meta: ForwardMetadata) -> PrefixDequant | None:
+        """Whether this extend dequantizes its cached fp8 prefixes into a bf16 workspace before
+        attending (one plan for every layer, from the host's lengths: no device sync)."""
+        max_bytes = envs.SGL_ATOM_EXTEND_DEQUANT_MB.get() << 20
+        if max_bytes <= 0:
+            return None
+        prefix = [
+            int(s) - int(e)
+            for s, e in zip(
+                forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu, strict=True
+            )
+        ]
+        return plan_prefix_dequant(
+            meta.kv_lens,
+            meta.qo_indptr,
+            meta.max_qo_len,
+            self.q_heads // self.kv_heads,
+            self.kv_heads,
+            self.head_dim,
+            prefix_lens=prefix,
+            max_bytes=max_bytes,
+        )
 
     # ---- CUDA graphs: static buffers, metadata copied in before replay --------------------
 
@@ -327,6 +355,8 @@ class AtomAttnBackend(AttentionBackend):
                 # cached prefix only
                 kw["k_new"] = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
                 kw["v_new"] = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
+                kw["prefix_plan"] = meta.prefix_plan
+                kw["prefix_dequant"] = "auto" if meta.prefix_plan is not None else "off"
             self.ops.extend(
                 *args,
                 meta.qo_indptr,

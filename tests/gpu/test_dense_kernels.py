@@ -300,12 +300,17 @@ def test_committed_verify_tilings(label, tiling, num_draft, report):
     report(f"GPU verify {label} {tiling or 'defaults'} draft {num_draft}: rel err {err:.1e}")
 
 
-@pytest.mark.parametrize("kv_mode", ["bits", "pairs", "f16pairs"])
-@pytest.mark.parametrize("with_new", [False, True], ids=["cache-only", "k_new"])
-def test_extend_fp8_modes(kv_mode, with_new):
+@pytest.mark.parametrize(
+    "kv_mode,with_new,prefix_dequant",
+    [(m, w, "off") for m in ("bits", "pairs", "f16pairs") for w in (False, True)]
+    + [("bits", True, "on")],
+    ids=lambda v: {False: "cache-only", True: "k_new"}.get(v, v) if isinstance(v, bool) else v,
+)
+def test_extend_fp8_modes(kv_mode, with_new, prefix_dequant):
     """Extend over an fp8 cache in each mode the prefix can be read in, with and without the
-    new tokens' own K/V (the atom backend passes them), at the server's head shape, against
-    float64 (the reference reads the same 16-bit new rows when they are passed)."""
+    new tokens' own K/V (the atom backend passes them), and with the prefix dequantized into a
+    bf16 workspace first, at the server's head shape, against float64 (the reference reads the
+    same 16-bit new rows when they are passed)."""
     ps, hq, hkv, d = 16, 32, 8, 128
     lens, new = [4096, 1500, 700, 33], [1024, 300, 1, 33]
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=31)
@@ -317,7 +322,9 @@ def test_extend_fp8_modes(kv_mode, with_new):
             n: torch.randn(sum(new), hkv, d, device=DEV, generator=g).bfloat16()
             for n in ("k_new", "v_new")
         }
+        kw["prefix_dequant"] = prefix_dequant
     out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=poisoned(q.shape, q.dtype, DEV),
                         k_scale=ks, v_scale=vs, kv_mode=kv_mode, **kw)  # fmt: skip
+    kw.pop("prefix_dequant", None)
     ref = pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs, **kw)
     assert_close_rel(out, ref, TUNED_TOL)
