@@ -9,7 +9,8 @@ Rows: a fresh prompt (no prefix), a second chunk over a cached prefix and short 
 long one; for each, the bf16 cache, then the fp8 cache under the 16-bit tiling (what
 `extend_fwd` takes when the new tokens' K/V are passed) with the cached prefix converted in the
 kernel (bits, and the pairs modes: 16-bit words of two e4m3 bytes) or dequantized once into a
-bf16 workspace first (`prefix_dequant="on"`), and what "auto" picks.
+bf16 workspace first with the new tokens' rows (the default, planned from the host's lengths
+as the backend does), and the bf16 cache under the 256-row tiling that long extends take.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ pa = import_kernels("paged_attention")
 kvq = import_kernels("kv_quant")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 # (cached prefix, new tokens)
-CASES = [(0, 16384), (8192, 8192), (16384, 2048), (16384, 512), (16384, 128), (16384, 32)]
+CASES = [(0, 16384), (0, 4096), (0, 2048), (0, 1024), (8192, 8192), (16384, 2048), (16384, 512)]
+CASES += [(16384, 128), (16384, 32)]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -38,6 +40,7 @@ def main() -> None:
     rows = []
     bf16_cfg = pa.extend._config(D, False, cpu=False)
     off = dict(bf16_cfg, prefix_dequant="off")
+    wide_cfg = pa.extend._config(D, False, cpu=False, rows=pa.extend.WIDE_ROWS)
     for prefix, new in CASES:
         total = prefix + new
         base = None
@@ -46,8 +49,9 @@ def main() -> None:
             ("fp8, prefix in kernel: bits", True, dict(off, kv_mode="bits")),
             ("fp8, prefix in kernel: pairs", True, dict(off, kv_mode="pairs")),
             ("fp8, prefix in kernel: f16pairs", True, dict(off, kv_mode="f16pairs")),
-            ("fp8, prefix dequantized first", True, dict(bf16_cfg, prefix_dequant="on")),
-            ("fp8, auto", True, dict(bf16_cfg)),
+            ("fp8, workspace (default)", True, dict(bf16_cfg)),
+            ("fp8, workspace, M256", True, dict(wide_cfg)),
+            ("bf16 cache, M256", False, dict(wide_cfg)),
         ):
             kc, vc, ks, vs, table, lens = paged(1, total, PAGE, fp8, kv_heads=HKV)
             q = torch.randn(new, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -64,12 +68,8 @@ def main() -> None:
                 kw.update(k_new=k_new, v_new=v_new)
             else:
                 kw.pop("prefix_dequant", None)
-            if label.endswith("auto"):  # planned from the host's lengths, as the backend does
-                plan = pa.plan_prefix_dequant(
-                    lens, qo, new, HQ // HKV, HKV, D, prefix_lens=[prefix]
-                )
-                kw.update(prefix_plan=plan, prefix_dequant="auto" if plan else "off")
-                tiling += " -> dequant" if plan is not None else " -> in kernel"
+            if "workspace" in label:  # planned from the host's lengths, as the backend does
+                kw.update(prefix_plan=pa.plan_prefix_dequant(lens, HKV, D, seq_lens_cpu=[total]))
 
             def store(kc=kc, vc=vc, ks=ks, vs=vs, loc=loc, k_new=k_new, v_new=v_new):
                 kvq.store_kv(k_new, v_new, kc, vc, loc, ks, vs)

@@ -91,10 +91,10 @@ SGL_ATOM_DECODE_TUNING = EnvVar(
 SGL_ATOM_EXTEND_DEQUANT_MB = EnvVar(
     "SGL_ATOM_EXTEND_DEQUANT_MB",
     256,
-    "atom backend, fp8 KV: MiB of bf16 workspace a long extend (a later chunk of a chunked "
-    "prefill) may take to dequantize its batch's cached prefixes once instead of converting "
-    "them in the attention kernel per query tile; a larger batch of prefixes is converted in "
-    "the kernel. 0: never.",
+    "atom backend, fp8 KV: MiB of bf16 workspace an extend (prefill chunk, prefix hit) may "
+    "take to dequantize its batch's cached prefixes once, with its new tokens' K/V, and attend "
+    "through the 16-bit kernel; a batch over it converts the prefix in the attention kernel "
+    "(1.8-2x slower there). 0: always in the kernel.",
 )
 SGL_ATOM_LOG_LEVEL = EnvVar(
     "SGL_ATOM_LOG_LEVEL",

@@ -9,11 +9,14 @@ With an fp8 cache and the new tokens' own K/V passed in (``k_new``, ``v_new``, q
 new tokens attend to those exact rows and read only the cached prefix from fp8: a fresh prompt
 runs the 16-bit path alone, and a prefix hit converts only the prefix.
 
-A long extend over a cached fp8 prefix (a later chunk of a chunked prefill) would convert every
-prefix tile once per query tile, in the same warps as the MMAs: compute-bound, that is 1.8x the
-bf16 time at 8K over an 8K prefix. There the prefix is first dequantized once into a bf16
-workspace (`dequant_prefix`, memory-bound: reads the fp8 rows and writes twice their bytes), and
-the extend reads it as 16-bit rows (`plan_prefix_dequant` decides and sizes it).
+Converting a cached fp8 prefix inside the kernel costs every query tile a conversion of every
+prefix tile, in the same warps as the MMAs: 1.8-2x the bf16 time for a later chunk of a chunked
+prefill, and as much for a short extend over a long prefix, whose few programs walk the prefix
+latency-bound (`benchmarks/results/probe_extend_fp8.log`). So by default (`plan_prefix_dequant`)
+the batch's cached prefixes are dequantized once, with the new tokens' rows, into a bf16
+workspace (`dequant_prefix`: memory-bound, tens of microseconds at 16K), and the extend runs the
+16-bit kernel over it; only a batch of prefixes too large for the workspace cap is converted in
+the kernel.
 """
 
 from __future__ import annotations
@@ -51,9 +54,6 @@ def extend_fwd_kernel(
     KN,
     VN,
     IDX,
-    KD,
-    VD,
-    POFF,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -65,7 +65,6 @@ def extend_fwd_kernel(
     stride_oh,
     stride_knt,
     stride_vnt,
-    stride_kdt,
     GROUP: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -75,7 +74,6 @@ def extend_fwd_kernel(
     KV_MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
     SPLIT: tl.constexpr,
-    DEQ: tl.constexpr,
 ):
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,24 +118,14 @@ def extend_fwd_kernel(
         # the cached prefix: whole tiles, then the one the prefix ends in
         full_end = tl.where(live, prefix // BLOCK_N * BLOCK_N, 0)
         diag_end = tl.where(live, prefix, 0)
-    if DEQ:
-        # the prefix dequantized to q's dtype (`dequant_prefix`): sequence b's rows start at
-        # POFF[b] of KD/VD, reached through the identity table as a page-size-1 table
-        acc, m_i, l_i = attend_range(
-            acc, m_i, l_i, qn, KD, VD, KS, VS, IDX + tl.load(POFF + b), kvh, 0, full_end,
-            diag_end, row_limit, qk_n, stride_kdt, stride_kdt, stride_st, 1, BLOCK_N, HEAD_DIM,
-            False, 0, DOT_F32,
-        )  # fmt: skip
-    else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw
-        # bits
-        q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
-        acc, m_i, l_i = attend_range(
-            acc, m_i, l_i, q, K, V, KS + kvh, VS + kvh, pt_row, kvh, 0, full_end, diag_end,
-            row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
-            KV_MODE, DOT_F32,
-        )  # fmt: skip
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    # on CPU (DOT_F32) dot operands are fp32: Triton's interpreter multiplies bf16 as raw bits
+    q, qk_scale = prepare_q(q, qk_scale, FP8, KV_MODE, DOT_F32)
+    acc, m_i, l_i = attend_range(
+        acc, m_i, l_i, q, K, V, KS + kvh, VS + kvh, pt_row, kvh, 0, full_end, diag_end,
+        row_limit, qk_scale, stride_kt, stride_vt, stride_st, PAGE, BLOCK_N, HEAD_DIM, FP8,
+        KV_MODE, DOT_F32,
+    )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if FP8 and (KV_MODE == 3 or KV_MODE == 4):
         o = o * OUT_BITS_SCALE
@@ -154,15 +142,19 @@ def dequant_prefix_kernel(
     V,
     KS,
     VS,
+    KN,
+    VN,
     PT,
     SL,
     QO,
-    POFF,
+    OFF,
     KD,
     VD,
     kv_heads,
     stride_kt,
     stride_st,
+    stride_knt,
+    stride_vnt,
     stride_pt,
     stride_dt,
     PAGE: tl.constexpr,
@@ -170,68 +162,76 @@ def dequant_prefix_kernel(
     HEAD_DIM: tl.constexpr,
 ):
     b = tl.program_id(1)
-    prefix = tl.load(SL + b) - (tl.load(QO + b + 1) - tl.load(QO + b))
+    q_start = tl.load(QO + b)
+    seq_len = tl.load(SL + b)
+    prefix = seq_len - (tl.load(QO + b + 1) - q_start)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = t < prefix
-    page = tl.load(PT + b * stride_pt + t // PAGE, mask=ok, other=0)
+    cached = t < prefix
+    fresh = (t >= prefix) & (t < seq_len)
+    page = tl.load(PT + b * stride_pt + t // PAGE, mask=cached, other=0)
     slot = page.to(tl.int64) * PAGE + t % PAGE
-    dst = (tl.load(POFF + b) + t).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
+    row = (q_start + t - prefix).to(tl.int64)
+    dst = (tl.load(OFF + b) + t).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
     for h in range(kv_heads):
-        src = slot[:, None] * stride_kt + h * HEAD_DIM + offs_d[None, :]
-        out = dst[:, None] * stride_dt + h * HEAD_DIM + offs_d[None, :]
-        ks = tl.load(KS + slot * stride_st + h, mask=ok, other=0.0)
-        k = tl.load(K + src, mask=ok[:, None], other=0.0).to(tl.float32) * ks[:, None]
-        tl.store(KD + out, k.to(KD.dtype.element_ty), mask=ok[:, None])
-        vs = tl.load(VS + slot * stride_st + h, mask=ok, other=0.0)
-        v = tl.load(V + src, mask=ok[:, None], other=0.0).to(tl.float32) * vs[:, None]
-        tl.store(VD + out, v.to(VD.dtype.element_ty), mask=ok[:, None])
+        col = h * HEAD_DIM + offs_d
+        _workspace_rows(K, KS, KN, KD, slot, row, dst, h, col, cached, fresh, stride_kt,
+                        stride_st, stride_knt, stride_dt)  # fmt: skip
+        _workspace_rows(V, VS, VN, VD, slot, row, dst, h, col, cached, fresh, stride_kt,
+                        stride_st, stride_vnt, stride_dt)  # fmt: skip
 
 
-# below this many query rows (tokens x GQA group) in the longest extend, each prefix tile is
-# converted by few enough query tiles that converting in the attention kernel reads less
-DEQUANT_MIN_ROWS = 512
-DEQUANT_MAX_BYTES = 256 << 20  # default workspace cap (bf16 K and V of the batch's prefixes)
+@triton.jit
+def _workspace_rows(
+    C, S, N, D, slot, row, dst, h, col, cached, fresh, stride_ct, stride_st, stride_nt, stride_dt
+):
+    """One head's workspace rows: cached keys dequantized (e4m3 x scale), new ones copied."""
+    sc = tl.load(S + slot * stride_st + h, mask=cached, other=0.0)
+    x = tl.load(C + slot[:, None] * stride_ct + col, mask=cached[:, None], other=0.0)
+    x = x.to(tl.float32) * sc[:, None]
+    n = tl.load(N + row[:, None] * stride_nt + col, mask=fresh[:, None], other=0.0)
+    x = tl.where(cached[:, None], x, n.to(tl.float32))
+    tl.store(D + dst[:, None] * stride_dt + col, x.to(D.dtype.element_ty),
+             mask=(cached | fresh)[:, None])  # fmt: skip
+
+
+DEQUANT_MAX_BYTES = 256 << 20  # default workspace cap (bf16 K and V rows of the batch)
 
 
 @dataclass(frozen=True)
 class PrefixDequant:
-    """Where an extend's cached fp8 prefixes go when dequantized (`plan_prefix_dequant`)."""
+    """The bf16 workspace of an fp8 extend (`plan_prefix_dequant`): sequence b's keys 0 ..
+    seq_len - 1 (cached prefix, then its new tokens) are rows offsets[b] onward."""
 
-    offsets: torch.Tensor  # [batch] int32: first workspace row of each sequence's prefix
-    tokens: int  # prefix rows over the batch
-    max_prefix: int
+    table: torch.Tensor  # [batch, max_seq_len] int32: workspace row of each key (page size 1)
+    offsets: torch.Tensor  # [batch] int32
+    tokens: int  # workspace rows
+    max_seq_len: int
 
 
 def plan_prefix_dequant(
     seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    max_qo_len: int,
-    group: int,
     kv_heads: int,
     head_dim: int,
-    prefix_lens: Sequence[int] | None = None,
+    seq_lens_cpu: Sequence[int] | None = None,
     max_bytes: int = DEQUANT_MAX_BYTES,
-    min_rows: int | None = None,
 ) -> PrefixDequant | None:
-    """The workspace plan for `extend_fwd` over an fp8 cache with the new tokens' K/V passed,
-    or None where the prefix stays read from fp8: no prefix, an extend of fewer than
-    ``min_rows`` query rows, or a bf16 workspace (K and V, ``tokens x kv_heads x head_dim x 4``
-    bytes) over ``max_bytes``. ``prefix_lens``: the host's copy of seq_lens - qo_len (SGLang's
-    ``extend_prefix_lens_cpu``); read from the device (a sync) when None. ``min_rows``: None
-    takes DEQUANT_MIN_ROWS."""
-    if max_qo_len * group < (DEQUANT_MIN_ROWS if min_rows is None else min_rows):
-        return None
-    if prefix_lens is None:
-        prefix_lens = (seq_lens - (qo_indptr[1:] - qo_indptr[:-1])).tolist()
-    tokens = int(sum(prefix_lens))
-    if tokens == 0 or tokens * kv_heads * head_dim * 4 > max_bytes:
+    """The workspace of `extend_fwd` over an fp8 cache with the new tokens' K/V passed, or None
+    where the batch's rows (K and V, ``tokens x kv_heads x head_dim x 4`` bytes) exceed
+    ``max_bytes`` and the prefix is converted in the kernel. ``seq_lens_cpu``: the host's copy
+    of seq_lens; read from the device (a sync) when None."""
+    lens = [int(n) for n in (seq_lens.tolist() if seq_lens_cpu is None else seq_lens_cpu)]
+    tokens = sum(lens)
+    if not lens or tokens * kv_heads * head_dim * 4 > max_bytes:
         return None
     starts = [0]
-    for n in prefix_lens[:-1]:
-        starts.append(starts[-1] + int(n))
-    offsets = torch.tensor(starts, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
-    return PrefixDequant(offsets, tokens, int(max(prefix_lens)))
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    dev = seq_lens.device
+    offsets = torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True)
+    width = max(max(lens), 1)
+    table = offsets[:, None] + torch.arange(width, dtype=torch.int32, device=dev)[None, :]
+    return PrefixDequant(table, offsets, tokens, width)
 
 
 def dequant_prefix(
@@ -239,26 +239,30 @@ def dequant_prefix(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     qo_indptr: torch.Tensor,
     page_size: int,
     plan: PrefixDequant,
-    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's cached prefix (its first seq_len - qo_len keys) dequantized from the fp8
-    cache: K and V rows [plan.tokens, kv_heads, head_dim] in ``dtype``, sequence b's at
-    plan.offsets[b] onward, row = e4m3 value x its (token, head) scale rounded once."""
+    """The workspace of ``plan``: K and V rows [plan.tokens, kv_heads, head_dim] in k_new's
+    dtype; sequence b's cached prefix (its first seq_len - qo_len keys) from the fp8 cache, each
+    row e4m3 x its (token, head) scale rounded once, then its new tokens' rows of k_new/v_new
+    (rows as q's) as they are."""
     kv_heads, head_dim = k_cache.shape[1:]
-    kd = torch.empty(plan.tokens, kv_heads, head_dim, dtype=dtype, device=k_cache.device)
+    kd = torch.empty(plan.tokens, kv_heads, head_dim, dtype=k_new.dtype, device=k_new.device)
     vd = torch.empty_like(kd)
-    block_t = 16 if on_cpu(kd) else 32
-    grid = (triton.cdiv(plan.max_prefix, block_t), seq_lens.shape[0])
+    block_t = 16 if on_cpu(kd) else 8  # sm_90: 183 registers, no spill (32 spills 1.7 KB)
+    grid = (triton.cdiv(plan.max_seq_len, block_t), seq_lens.shape[0])
     dequant_prefix_kernel[grid](
         k_cache,
         v_cache,
         k_scale,
         v_scale,
+        k_new,
+        v_new,
         page_table,
         seq_lens,
         qo_indptr,
@@ -268,6 +272,8 @@ def dequant_prefix(
         kv_heads,
         k_cache.stride(0),
         k_scale.stride(0),
+        k_new.stride(0),
+        v_new.stride(0),
         page_table.stride(0),
         kd.stride(0),
         PAGE=page_size,
@@ -278,7 +284,14 @@ def dequant_prefix(
     return kd, vd
 
 
-def _config(head_dim: int, fp8: bool, cpu: bool) -> dict:
+# query rows (tokens x GQA group) of the longest extend from which the 16-bit path takes
+# 256-row tiles: 1.19-1.22x faster than 128 at 8K causal on the H200
+# (benchmarks/results/probe_kernel_gaps.log), but half the programs, and a tile twice the work
+# for an extend of few tokens over a long prefix
+WIDE_ROWS = 8192
+
+
+def _config(head_dim: int, fp8: bool, cpu: bool, rows: int = 0) -> dict:
     if cpu:  # interpreter: small tiles so small test shapes still take several steps
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if head_dim == 256:
@@ -286,6 +299,8 @@ def _config(head_dim: int, fp8: bool, cpu: bool) -> dict:
     # best on H200 at head_dim 128, GQA 8, 8K causal (benchmarks/results/paged_attention.log)
     if fp8:
         return dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
+    if rows >= WIDE_ROWS:
+        return dict(block_m=256, block_n=128, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
@@ -331,10 +346,10 @@ def extend_fwd(
       (rows as q's). With an fp8 cache the new tokens attend to these rows instead of their
       quantized copies in the cache, which is then read for the prefix only; ignored with a
       16-bit cache (its rows are these values).
-    prefix_dequant, prefix_plan (fp8 cache with k_new only): "auto" dequantizes the cached
-      prefix into a bf16 workspace first when ``prefix_plan`` says so (planned here with
-      `plan_prefix_dequant`, a device sync, when None); "on" whenever there is a prefix, "off"
-      never (the prefix is converted in the kernel, in ``kv_mode``).
+    prefix_dequant, prefix_plan (fp8 cache with k_new only): "auto" runs the 16-bit kernel over
+      the bf16 workspace of ``prefix_plan`` (`dequant_prefix`; planned here with
+      `plan_prefix_dequant`, a device sync, when None) unless the plan is None (over its cap);
+      "off" converts the cached prefix in the kernel, in ``kv_mode``.
     Returns out.
     """
     fp8 = check_inputs(q, k_cache, v_cache, page_table, seq_lens, page_size, k_scale, v_scale)
@@ -354,11 +369,6 @@ def extend_fwd(
         max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if batch else 0
     if batch == 0 or max_qo_len == 0:
         return out
-    # with k_new most keys are the new tokens' own 16-bit rows: the 16-bit tiling (fp8's is
-    # 1.5x slower there, benchmarks/results/probe_extend_fp8.log)
-    cfg = _config(head_dim, fp8 and k_new is None, on_cpu(q))
-    block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
-    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     split = fp8 and k_new is not None
     if split:
         for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -368,27 +378,29 @@ def extend_fwd(
             assert t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == head_dim, (
                 f"{name}: q's dtype, heads and head_dim contiguous"
             )
-        if prefix_dequant not in ("auto", "on", "off"):
-            raise ValueError(f"prefix_dequant={prefix_dequant!r}: use 'auto', 'on' or 'off'")
-        if prefix_dequant != "off" and prefix_plan is None:
-            prefix_plan = plan_prefix_dequant(
-                seq_lens, qo_indptr, max_qo_len, group, kv_heads, head_dim,
-                **({"max_bytes": 1 << 62, "min_rows": 0} if prefix_dequant == "on" else {}),
+        if prefix_dequant not in ("auto", "off"):
+            raise ValueError(f"prefix_dequant={prefix_dequant!r}: use 'auto' or 'off'")
+        if prefix_dequant == "auto" and prefix_plan is None:
+            prefix_plan = plan_prefix_dequant(seq_lens, kv_heads, head_dim)
+        if prefix_dequant == "auto" and prefix_plan is not None:
+            kd, vd = dequant_prefix(
+                k_cache, v_cache, k_scale, v_scale, k_new, v_new, page_table, seq_lens,
+                qo_indptr, page_size, prefix_plan,
             )  # fmt: skip
-        deq = prefix_plan is not None and prefix_dequant != "off"
-        rows = max(q.shape[0], prefix_plan.tokens if deq else 0)
-        idx = torch.arange(rows + block_n, dtype=torch.int32, device=q.device)
+            return extend_fwd(
+                q, kd, vd, prefix_plan.table, seq_lens, qo_indptr, 1, sm_scale, out=out,
+                max_qo_len=max_qo_len, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                num_stages=num_stages,
+            )  # fmt: skip
+    # with k_new most keys are the new tokens' own 16-bit rows: the 16-bit tiling (fp8's is
+    # 1.5x slower there, benchmarks/results/probe_extend_fp8.log)
+    cfg = _config(head_dim, fp8 and k_new is None, on_cpu(q), 0 if fp8 else max_qo_len * group)
+    block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
+    if split:
+        idx = torch.arange(q.shape[0] + block_n, dtype=torch.int32, device=q.device)
     else:
         k_new, v_new, idx = k_cache, v_cache, page_table  # unread placeholders
-        deq = False
-    if deq:
-        kd, vd = dequant_prefix(
-            k_cache, v_cache, k_scale, v_scale, page_table, seq_lens, qo_indptr, page_size,
-            prefix_plan, q.dtype,
-        )  # fmt: skip
-        poff, mode, k_in, v_in = prefix_plan.offsets, 0, k_cache, v_cache
-    else:
-        kd, vd, poff = k_new, v_new, qo_indptr  # unread placeholders
     grid = (triton.cdiv(max_qo_len * group, block_m), kv_heads, batch)
     extend_fwd_kernel[grid](
         q,
@@ -403,9 +415,6 @@ def extend_fwd(
         k_new,
         v_new,
         idx,
-        kd,
-        vd,
-        poff,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -417,7 +426,6 @@ def extend_fwd(
         out.stride(1),
         k_new.stride(0),
         v_new.stride(0),
-        kd.stride(0),
         GROUP=group,
         PAGE=page_size,
         BLOCK_M=block_m,
@@ -427,7 +435,6 @@ def extend_fwd(
         KV_MODE=mode,
         DOT_F32=on_cpu(q),
         SPLIT=split,
-        DEQ=deq,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

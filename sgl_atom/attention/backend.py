@@ -48,7 +48,7 @@ class ForwardMetadata:
     max_qo_len: int = 1
     num_draft: int = 0  # verify: draft tokens per request
     num_splits: int = 1  # decode / verify
-    prefix_plan: PrefixDequant | None = None  # fp8 extend: cached prefixes dequantized first
+    prefix_plan: PrefixDequant | None = None  # fp8 extend: its bf16 workspace (None: in kernel)
 
 
 def check_servable(head_dim: int, page_size: int, kv_dtype, q_dtype, q_heads: int, kv_heads):
@@ -232,25 +232,17 @@ class AtomAttnBackend(AttentionBackend):
         self.forward_metadata = meta
 
     def _prefix_plan(self, forward_batch, meta: ForwardMetadata) -> PrefixDequant | None:
-        """Whether this extend dequantizes its cached fp8 prefixes into a bf16 workspace before
-        attending (one plan for every layer, from the host's lengths: no device sync)."""
+        """The bf16 workspace an fp8 extend dequantizes its cached prefixes into (with its new
+        tokens' rows) before attending, or None over SGL_ATOM_EXTEND_DEQUANT_MB (the prefix is
+        then converted in the kernel). One plan for every layer, from the host's lengths."""
         max_bytes = envs.SGL_ATOM_EXTEND_DEQUANT_MB.get() << 20
         if max_bytes <= 0:
             return None
-        prefix = [
-            int(s) - int(e)
-            for s, e in zip(
-                forward_batch.seq_lens_cpu.tolist(), forward_batch.extend_seq_lens_cpu, strict=True
-            )
-        ]
         return plan_prefix_dequant(
             meta.kv_lens,
-            meta.qo_indptr,
-            meta.max_qo_len,
-            self.q_heads // self.kv_heads,
             self.kv_heads,
             self.head_dim,
-            prefix_lens=prefix,
+            seq_lens_cpu=forward_batch.seq_lens_cpu.tolist(),
             max_bytes=max_bytes,
         )
 

@@ -303,7 +303,7 @@ def test_committed_verify_tilings(label, tiling, num_draft, report):
 @pytest.mark.parametrize(
     "kv_mode,with_new,prefix_dequant",
     [(m, w, "off") for m in ("bits", "pairs", "f16pairs") for w in (False, True)]
-    + [("bits", True, "on")],
+    + [("bits", True, "auto")],
     ids=lambda v: {False: "cache-only", True: "k_new"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_extend_fp8_modes(kv_mode, with_new, prefix_dequant):

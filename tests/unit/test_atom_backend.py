@@ -152,14 +152,12 @@ def test_chunked_prefill_then_decode(kv_dtype, page_size):
 
 @pytest.mark.parametrize("dequant_mb", [256, 0], ids=["workspace", "in-kernel"])
 def test_fp8_chunked_prefill_prefix_dequant(monkeypatch, dequant_mb):
-    """A later chunk of an fp8 prefill long enough for the workspace reads its cached prefix
-    dequantized once (the plan is made from the host's lengths); SGL_ATOM_EXTEND_DEQUANT_MB=0
-    keeps the conversion in the kernel. Both within the fp8 bound of float64 attention."""
-    from sgl_atom.kernels.paged_attention import extend
-
+    """An fp8 extend dequantizes its batch's cached prefixes, with its new rows, into a bf16
+    workspace planned once per forward from the host's lengths; SGL_ATOM_EXTEND_DEQUANT_MB=0
+    keeps the conversion in the kernel. Both within the fp8 bound of float64 attention, and
+    the fresh first chunk within bf16's."""
     from sgl_atom.attention.backend import AtomAttnBackend
 
-    monkeypatch.setattr(extend, "DEQUANT_MIN_ROWS", 16)
     monkeypatch.setenv("SGL_ATOM_EXTEND_DEQUANT_MB", str(dequant_mb))
     torch.manual_seed(1)
     runner = _runner(16, torch.float8_e4m3fn)
@@ -173,12 +171,12 @@ def test_fp8_chunked_prefill_prefix_dequant(monkeypatch, dequant_mb):
     perm = (torch.randperm(512 // 16 - 1) + 1).tolist()
     _assign_pages(runner, 0, 48, perm[:3])
     _assign_pages(runner, 1, 30, perm[3:5])
-    _run(backend, runner, "EXTEND", [0, 1], [0, 0], [20, 11], hist)
-    assert backend.forward_metadata.prefix_plan is None  # no prefix yet
+    out, ref = _run(backend, runner, "EXTEND", [0, 1], [0, 0], [20, 11], hist)
+    assert _rel(out, ref) < 2e-2
     out, ref = _run(backend, runner, "EXTEND", [0, 1], [20, 11], [28, 19], hist)
     plan = backend.forward_metadata.prefix_plan
     if dequant_mb:
-        assert (plan.tokens, plan.max_prefix, plan.offsets.tolist()) == (31, 20, [0, 20])
+        assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (78, 48, [0, 48])
     else:
         assert plan is None
     assert _rel(out, ref) < 8e-2

@@ -130,76 +130,83 @@ def _poison_new_rows(kc, vc, ks, vs, table, sl, new, ps):
         s[rows] = float("nan")
 
 
+def _new_kv(total, hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, hkv, d, generator=g).to(torch.bfloat16).to(DEV) for _ in "kv"]
+
+
 @pytest.mark.parametrize("ps", [1, 16])
 def test_dequant_prefix_rows(ps):
-    """Each sequence's cached prefix lands at its plan offset as e4m3 x scale rounded once to
-    bf16 (within one bf16 rounding of the float64 product: Triton's interpreter truncates where
-    the GPU rounds to nearest); the new tokens' rows (poisoned in the cache) are not read."""
+    """Sequence b's workspace rows start at its plan offset: its cached prefix as e4m3 x scale
+    rounded once to bf16 (within one bf16 rounding of the float64 product: Triton's interpreter
+    truncates where the GPU rounds to nearest), then its new tokens' rows as passed. The new
+    tokens' cache rows (poisoned) are not read."""
     hkv, d = 2, 64
     lens, new = [40, 9, 70, 33], [8, 9, 24, 1]  # prefixes 32, 0, 46, 32
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=ps + 21)
     qo = indptr(new, DEV)
+    k_new, v_new = _new_kv(sum(new), hkv, d, ps + 22)
     _poison_new_rows(kc, vc, ks, vs, table, sl, new, ps)
-    plan = pa.plan_prefix_dequant(sl, qo, max(new), 4, hkv, d, min_rows=0)
-    assert plan.tokens == 110 and plan.max_prefix == 46
-    assert plan.offsets.tolist() == [0, 32, 32, 78]
-    kd, vd = pa.dequant_prefix(kc, vc, ks, vs, table, sl, qo, ps, plan, torch.bfloat16)
-    assert kd.shape == (110, hkv, d) and kd.dtype == torch.bfloat16
-    for cache, scale, got in ((kc, ks, kd), (vc, vs, vd)):
-        want = []
+    plan = pa.plan_prefix_dequant(sl, hkv, d)
+    assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (152, 70, [0, 40, 49, 119])
+    assert plan.table.shape == (4, 70) and plan.table[2, 5].item() == 54
+    kd, vd = pa.dequant_prefix(kc, vc, ks, vs, k_new, v_new, table, sl, qo, ps, plan)
+    assert kd.shape == (152, hkv, d) and kd.dtype == torch.bfloat16
+    for cache, scale, rows, got in ((kc, ks, k_new, kd), (vc, vs, v_new, vd)):
+        row = 0
         for b, (n, m) in enumerate(zip(lens, new, strict=True)):
             pos = torch.arange(n - m, device=table.device)
             slot = table[b, pos // ps].long() * ps + pos % ps
-            want.append(cache[slot].double() * scale[slot].double()[..., None])
-        want = torch.cat(want)
-        torch.testing.assert_close(got.double(), want, rtol=2.0**-7, atol=0.0)
+            off = plan.offsets[b].item()
+            want = cache[slot].double() * scale[slot].double()[..., None]
+            torch.testing.assert_close(got[off : off + n - m].double(), want, rtol=2.0**-7,
+                                       atol=0.0)  # fmt: skip
+            assert torch.equal(got[off + n - m : off + n], rows[row : row + m])
+            row += m
 
 
 def test_plan_prefix_dequant_rules():
-    """No plan (the prefix stays read from fp8) for a short extend, no prefix, or a workspace
-    over the cap; the host's prefix lengths give the same plan as the device's."""
+    """A workspace over the cap gives no plan (the prefix is converted in the kernel); the
+    host's lengths give the device's plan."""
     sl = torch.tensor([300, 200], dtype=torch.int32, device=DEV)
-    qo = indptr([200, 100], DEV)
-    plan = pa.plan_prefix_dequant(sl, qo, 200, 4, 8, 128)
-    assert (plan.tokens, plan.max_prefix, plan.offsets.tolist()) == (200, 100, [0, 100])
-    host = pa.plan_prefix_dequant(sl, qo, 200, 4, 8, 128, prefix_lens=[100, 100])
-    assert host.offsets.tolist() == [0, 100] and host.tokens == 200
-    assert pa.plan_prefix_dequant(sl, qo, 100, 4, 8, 128) is None  # 400 rows < 512
-    assert pa.plan_prefix_dequant(sl, qo, 200, 4, 8, 128, max_bytes=200 * 8 * 128 * 4 - 1) is None
-    fresh = torch.tensor([200, 100], dtype=torch.int32, device=DEV)
-    assert pa.plan_prefix_dequant(fresh, qo, 200, 4, 8, 128) is None
+    plan = pa.plan_prefix_dequant(sl, 8, 128)
+    assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (500, 300, [0, 300])
+    host = pa.plan_prefix_dequant(sl, 8, 128, seq_lens_cpu=[300, 200])
+    assert torch.equal(host.table, plan.table) and host.tokens == 500
+    assert pa.plan_prefix_dequant(sl, 8, 128, max_bytes=500 * 8 * 128 * 4) is not None
+    assert pa.plan_prefix_dequant(sl, 8, 128, max_bytes=500 * 8 * 128 * 4 - 1) is None
 
 
 @pytest.mark.parametrize("ps,mode", [(1, "bits"), (16, "f16pairs")])
 def test_fp8_extend_prefix_dequant(ps, mode):
-    """An extend over a cached fp8 prefix through the bf16 workspace matches the float64
-    reference, as the in-kernel conversion does (kv_mode is then unused for the prefix)."""
+    """An fp8 extend through the bf16 workspace (the default) matches the float64 reference, as
+    the in-kernel conversion ("off") does; the kernel reads the keys through the plan."""
     hq, hkv, d = 8, 2, 128
     lens, new = [40, 9, 90, 33], [40, 1, 24, 9]  # pure prefill, one token, extends
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, FP8, DEV, seed=ps + 31)
     q, qo = queries(sum(new), hq, d, DEV, seed=32), indptr(new, DEV)
-    g = torch.Generator().manual_seed(33)
-    k_new = torch.randn(sum(new), hkv, d, generator=g).to(torch.bfloat16).to(DEV)
-    v_new = torch.randn(sum(new), hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    k_new, v_new = _new_kv(sum(new), hkv, d, ps + 33)
     _poison_new_rows(kc, vc, ks, vs, table, sl, new, ps)
     ref = pa.reference_extend(q, kc, vc, table, sl, qo, ps, d**-0.5, ks, vs, k_new=k_new,
                               v_new=v_new)  # fmt: skip
     kw = dict(k_scale=ks, v_scale=vs, kv_mode=mode, k_new=k_new, v_new=v_new)
-    out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q),
-                        prefix_dequant="on", **kw)  # fmt: skip
+    for how in ("auto", "off"):
+        out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q),
+                            prefix_dequant=how, **kw)  # fmt: skip
+        assert_close_rel(out, ref, TOL)
+    # a plan from the host's lengths, as the backend passes it
+    plan = pa.plan_prefix_dequant(sl, hkv, d, seq_lens_cpu=lens)
+    out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), prefix_plan=plan,
+                        **kw)  # fmt: skip
     assert_close_rel(out, ref, TOL)
-    # a plan from the host's prefix lengths, as the backend passes it
-    plan = pa.plan_prefix_dequant(sl, qo, 40, 4, hkv, d, prefix_lens=[0, 8, 66, 24], min_rows=0)
-    out2 = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), prefix_plan=plan,
-                         **kw)  # fmt: skip
-    assert torch.equal(out2, out)
-    # the kernel reads the prefix through the plan: offsets pointing elsewhere change the output
-    wrong = pa.PrefixDequant(plan.offsets.flip(0).contiguous(), plan.tokens, plan.max_prefix)
-    out3 = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), prefix_plan=wrong,
-                         **kw)  # fmt: skip
-    assert rel_err(out3, ref) > 10 * TOL
+    # rows from the workspace, through the plan's table: a table pointing elsewhere shows
+    shifted = (plan.table + 1) % plan.tokens
+    wrong = pa.PrefixDequant(shifted, plan.offsets, plan.tokens, plan.max_seq_len)
+    out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), prefix_plan=wrong,
+                        **kw)  # fmt: skip
+    assert rel_err(out, ref) > 10 * TOL
     with pytest.raises(ValueError, match="prefix_dequant"):
-        pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, prefix_dequant="yes", **kw)
+        pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, prefix_dequant="on", **kw)
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
