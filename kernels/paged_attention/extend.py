@@ -196,14 +196,19 @@ def _workspace_rows(
 
 
 DEQUANT_MAX_BYTES = 256 << 20  # default workspace cap (bf16 K and V rows of the batch)
+# The workspace is read as pages of this many rows, each sequence's rows starting on a page:
+# the 16-bit kernel then walks it as it walks a page-16 cache (a page-size-1 table, one index
+# load per key, costs it 1.4-1.7x at 128-row tiles on the H200: probe_extend_fp8.log).
+WORKSPACE_PAGE = 16
 
 
 @dataclass(frozen=True)
 class PrefixDequant:
     """The bf16 workspace of an fp8 extend (`plan_prefix_dequant`): sequence b's keys 0 ..
-    seq_len - 1 (cached prefix, then its new tokens) are rows offsets[b] onward."""
+    seq_len - 1 (cached prefix, then its new tokens) are rows offsets[b] onward, offsets[b] a
+    multiple of WORKSPACE_PAGE."""
 
-    table: torch.Tensor  # [batch, max_seq_len] int32: workspace row of each key (page size 1)
+    table: torch.Tensor  # [batch, pages of the longest sequence] int32: workspace page ids
     offsets: torch.Tensor  # [batch] int32
     tokens: int  # workspace rows
     max_seq_len: int
@@ -221,17 +226,19 @@ def plan_prefix_dequant(
     ``max_bytes`` and the prefix is converted in the kernel. ``seq_lens_cpu``: the host's copy
     of seq_lens; read from the device (a sync) when None."""
     lens = [int(n) for n in (seq_lens.tolist() if seq_lens_cpu is None else seq_lens_cpu)]
-    tokens = sum(lens)
+    page = WORKSPACE_PAGE
+    pages = [-(-n // page) for n in lens]
+    tokens = sum(pages) * page
     if not lens or tokens * kv_heads * head_dim * 4 > max_bytes:
         return None
     starts = [0]
-    for n in lens[:-1]:
+    for n in pages[:-1]:
         starts.append(starts[-1] + n)
     dev = seq_lens.device
-    offsets = torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True)
-    width = max(max(lens), 1)
-    table = offsets[:, None] + torch.arange(width, dtype=torch.int32, device=dev)[None, :]
-    return PrefixDequant(table, offsets, tokens, width)
+    first = torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True)
+    width = max(max(pages), 1)
+    table = first[:, None] + torch.arange(width, dtype=torch.int32, device=dev)[None, :]
+    return PrefixDequant(table, first * page, tokens, max(max(lens), 1))
 
 
 def dequant_prefix(
@@ -284,14 +291,15 @@ def dequant_prefix(
     return kd, vd
 
 
-# query rows (tokens x GQA group) of the longest extend from which the 16-bit path takes
-# 256-row tiles: 1.19-1.22x faster than 128 at 8K causal on the H200
-# (benchmarks/results/probe_kernel_gaps.log), but half the programs, and a tile twice the work
-# for an extend of few tokens over a long prefix
+# The 16-bit path takes 256-row tiles for an extend of at least WIDE_ROWS query rows (tokens x
+# GQA group) over keys up to at least WIDE_KEYS: on the H200 1.16-1.2x faster than 128 rows at
+# 8K-16K causal and 16K + 2K, even at 4K, slower for 2K alone and for a few hundred tokens over a
+# long prefix (half the programs, each tile twice the work; probe_extend_fp8.log)
 WIDE_ROWS = 8192
+WIDE_KEYS = 4096
 
 
-def _config(head_dim: int, fp8: bool, cpu: bool, rows: int = 0) -> dict:
+def _config(head_dim: int, fp8: bool, cpu: bool, rows: int = 0, keys: int = 0) -> dict:
     if cpu:  # interpreter: small tiles so small test shapes still take several steps
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if head_dim == 256:
@@ -299,7 +307,7 @@ def _config(head_dim: int, fp8: bool, cpu: bool, rows: int = 0) -> dict:
     # best on H200 at head_dim 128, GQA 8, 8K causal (benchmarks/results/paged_attention.log)
     if fp8:
         return dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
-    if rows >= WIDE_ROWS:
+    if rows >= WIDE_ROWS and keys >= WIDE_KEYS:
         return dict(block_m=256, block_n=128, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
@@ -388,13 +396,16 @@ def extend_fwd(
                 qo_indptr, page_size, prefix_plan,
             )  # fmt: skip
             return extend_fwd(
-                q, kd, vd, prefix_plan.table, seq_lens, qo_indptr, 1, sm_scale, out=out,
+                q, kd, vd, prefix_plan.table, seq_lens, qo_indptr, WORKSPACE_PAGE, sm_scale,
+                out=out,
                 max_qo_len=max_qo_len, block_m=block_m, block_n=block_n, num_warps=num_warps,
                 num_stages=num_stages,
             )  # fmt: skip
     # with k_new most keys are the new tokens' own 16-bit rows: the 16-bit tiling (fp8's is
     # 1.5x slower there, benchmarks/results/probe_extend_fp8.log)
-    cfg = _config(head_dim, fp8 and k_new is None, on_cpu(q), 0 if fp8 else max_qo_len * group)
+    rows = 0 if fp8 else max_qo_len * group  # the fp8 tiles stay at 128 rows or fewer
+    keys = page_table.shape[1] * page_size  # a bound on seq_lens without reading them
+    cfg = _config(head_dim, fp8 and k_new is None, on_cpu(q), rows, keys)
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unread placeholders
     if split:

@@ -147,11 +147,11 @@ def test_dequant_prefix_rows(ps):
     qo = indptr(new, DEV)
     k_new, v_new = _new_kv(sum(new), hkv, d, ps + 22)
     _poison_new_rows(kc, vc, ks, vs, table, sl, new, ps)
-    plan = pa.plan_prefix_dequant(sl, hkv, d)
-    assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (152, 70, [0, 40, 49, 119])
-    assert plan.table.shape == (4, 70) and plan.table[2, 5].item() == 54
+    plan = pa.plan_prefix_dequant(sl, hkv, d)  # pages of 16 rows: 3, 1, 5, 3
+    assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (192, 70, [0, 48, 64, 144])
+    assert plan.table.shape == (4, 5) and plan.table[2].tolist() == [4, 5, 6, 7, 8]
     kd, vd = pa.dequant_prefix(kc, vc, ks, vs, k_new, v_new, table, sl, qo, ps, plan)
-    assert kd.shape == (152, hkv, d) and kd.dtype == torch.bfloat16
+    assert kd.shape == (192, hkv, d) and kd.dtype == torch.bfloat16
     for cache, scale, rows, got in ((kc, ks, k_new, kd), (vc, vs, v_new, vd)):
         row = 0
         for b, (n, m) in enumerate(zip(lens, new, strict=True)):
@@ -168,13 +168,13 @@ def test_dequant_prefix_rows(ps):
 def test_plan_prefix_dequant_rules():
     """A workspace over the cap gives no plan (the prefix is converted in the kernel); the
     host's lengths give the device's plan."""
-    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEV)  # 19 and 13 pages of 16
     plan = pa.plan_prefix_dequant(sl, 8, 128)
-    assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (500, 300, [0, 300])
+    assert (plan.tokens, plan.max_seq_len, plan.offsets.tolist()) == (512, 300, [0, 304])
     host = pa.plan_prefix_dequant(sl, 8, 128, seq_lens_cpu=[300, 200])
-    assert torch.equal(host.table, plan.table) and host.tokens == 500
-    assert pa.plan_prefix_dequant(sl, 8, 128, max_bytes=500 * 8 * 128 * 4) is not None
-    assert pa.plan_prefix_dequant(sl, 8, 128, max_bytes=500 * 8 * 128 * 4 - 1) is None
+    assert torch.equal(host.table, plan.table) and host.tokens == 512
+    assert pa.plan_prefix_dequant(sl, 8, 128, max_bytes=512 * 8 * 128 * 4) is not None
+    assert pa.plan_prefix_dequant(sl, 8, 128, max_bytes=512 * 8 * 128 * 4 - 1) is None
 
 
 @pytest.mark.parametrize("ps,mode", [(1, "bits"), (16, "f16pairs")])
@@ -200,7 +200,7 @@ def test_fp8_extend_prefix_dequant(ps, mode):
                         **kw)  # fmt: skip
     assert_close_rel(out, ref, TOL)
     # rows from the workspace, through the plan's table: a table pointing elsewhere shows
-    shifted = (plan.table + 1) % plan.tokens
+    shifted = (plan.table + 1) % (plan.tokens // pa.extend.WORKSPACE_PAGE)
     wrong = pa.PrefixDequant(shifted, plan.offsets, plan.tokens, plan.max_seq_len)
     out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), prefix_plan=wrong,
                         **kw)  # fmt: skip
