@@ -18,6 +18,12 @@ QUANT = {"div": (False, False), "rcp": (True, False), "fast": (True, True)}
 DEFAULT_QUANT = "fast"
 DEFAULT_FP8_BLOCK_T = 16
 DEFAULT_FP8_HEADS = 8  # all heads of a token: its scales fill whole sectors (H200: 0.64 -> 0.48 ms)
+# Up to this many tokens (a decode or verify step, a short extend) each program takes one head:
+# with all 8 in one program a decode step's store is one or a few programs walking 16 row tiles
+# one after another, 9.6-10.8 us per layer in the server at batch 1-64 (0.31-0.35 ms of a step)
+# against 1.4-2 us for the bf16 store, which takes one head per program
+# (benchmarks/results/server_profile.md).
+FP8_ALL_HEADS_MIN_TOKENS = 1024
 
 
 @triton.jit
@@ -193,8 +199,10 @@ def store_kv(
       scale = max(amax|row| / 448, 1e-12) and the e4m3fn row round(x / scale).
     Writes k_cache[loc], v_cache[loc] (and k_scale[loc], v_scale[loc] for fp8); nothing else.
     block_t (tokens per program), num_warps, heads_per_program (rounded down to a divisor of
-      kv_heads): tuning. quant: the fp8 arithmetic, a `QUANT` name; all write the same bytes
-      (default "fast" on GPU; "div" under the CPU interpreter, whose fma is not fused).
+      kv_heads): tuning; by default an fp8 store of FP8_ALL_HEADS_MIN_TOKENS tokens or more
+      takes all heads of a token per program, a smaller one (a decode step) one head.
+    quant: the fp8 arithmetic, a `QUANT` name; all write the same bytes (default "fast" on
+      GPU; "div" under the CPU interpreter, whose fma is not fused).
     """
     fp8 = _check(k, v, k_cache, v_cache, loc, k_scale, v_scale)
     tokens, kv_heads, head_dim = k.shape
@@ -207,7 +215,8 @@ def store_kv(
     cpu = k.device.type == "cpu"
     fast, hw_round = QUANT[quant or ("div" if cpu else DEFAULT_QUANT)]
     block_t = block_t or (16 if cpu or not fp8 else DEFAULT_FP8_BLOCK_T)
-    heads = heads_per_program or (1 if cpu or not fp8 else DEFAULT_FP8_HEADS)
+    few = tokens < FP8_ALL_HEADS_MIN_TOKENS
+    heads = heads_per_program or (1 if cpu or not fp8 or few else DEFAULT_FP8_HEADS)
     heads = max(h for h in range(1, min(heads, kv_heads) + 1) if kv_heads % h == 0)
     grid = (triton.cdiv(tokens, block_t), kv_heads // heads)
     store_kv_kernel[grid](

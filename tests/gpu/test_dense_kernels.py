@@ -27,8 +27,9 @@ def _name(dt):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-def test_store_kv(dtype):
-    tokens, heads, d, slots = 4097, 8, 128, 9000
+@pytest.mark.parametrize("tokens", [4097, 64, 1])  # a prefill chunk (all heads per program), decode
+def test_store_kv(dtype, tokens):
+    heads, d, slots = 8, 128, 9000
     k, v = (torch.randn(tokens, heads, d, device=DEV).bfloat16() for _ in range(2))
     loc = torch.randperm(slots, device=DEV)[:tokens]
     got = [poisoned((slots, heads, d), dtype, DEV) for _ in range(2)]

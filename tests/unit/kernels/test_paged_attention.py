@@ -204,7 +204,7 @@ def test_fp8_extend_prefix_dequant(ps, mode):
     wrong = pa.PrefixDequant(shifted, plan.offsets, plan.tokens, plan.max_seq_len)
     out = pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, out=_out(q), prefix_plan=wrong,
                         **kw)  # fmt: skip
-    assert rel_err(out, ref) > 10 * TOL
+    assert not rel_err(out, ref) <= 10 * TOL  # far off, or NaN from the unwritten page tails
     with pytest.raises(ValueError, match="prefix_dequant"):
         pa.extend_fwd(q, kc, vc, table, sl, qo, ps, d**-0.5, prefix_dequant="on", **kw)
 
