@@ -397,13 +397,13 @@ def extend_fwd(
             )  # fmt: skip
             return extend_fwd(
                 q, kd, vd, prefix_plan.table, seq_lens, qo_indptr, WORKSPACE_PAGE, sm_scale,
-                out=out,
-                max_qo_len=max_qo_len, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                num_stages=num_stages,
+                out=out, max_qo_len=max_qo_len, block_m=block_m, block_n=block_n,
+                num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
-    # with k_new most keys are the new tokens' own 16-bit rows: the 16-bit tiling (fp8's is
-    # 1.5x slower there, benchmarks/results/probe_extend_fp8.log)
-    rows = 0 if fp8 else max_qo_len * group  # the fp8 tiles stay at 128 rows or fewer
+    # fp8 with k_new here (no workspace): most keys are the new tokens' own 16-bit rows, so the
+    # 16-bit tiling (fp8's is 1.5x slower there), at 128 rows: the two passes over new and
+    # cached keys are not sized for 256
+    rows = 0 if fp8 else max_qo_len * group
     keys = page_table.shape[1] * page_size  # a bound on seq_lens without reading them
     cfg = _config(head_dim, fp8 and k_new is None, on_cpu(q), rows, keys)
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
