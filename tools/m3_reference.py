@@ -49,8 +49,10 @@ from sgl_atom.kernels.sparse_attention.index_reuse import should_score
 from sgl_atom.kernels.sparse_attention.reference import (
     reference_block_scores,
     reference_dense_attention,
+    reference_index_write,
     reference_select_blocks,
     reference_sparse_attention,
+    unpack_int4,
 )
 
 from sgl_atom.attention.sparse import SparseConfig
@@ -62,11 +64,16 @@ class M3Reference:
     weights: dict[str, torch.Tensor]
     sparse: SparseConfig
     dtype: torch.dtype = torch.float64
+    index_dtype: str | None = None  # "int4": score from the served 4-bit index keys' values
 
     @classmethod
-    def load(cls, path, dtype: torch.dtype = torch.float64, **sparse_overrides) -> M3Reference:
+    def load(
+        cls, path, dtype: torch.dtype = torch.float64, index_dtype: str | None = None,
+        **sparse_overrides,
+    ) -> M3Reference:  # fmt: skip
         """Read config.json + model.safetensors; ``sparse_overrides`` replace SparseConfig fields
-        (e.g. ``topk_blocks=8``)."""
+        (e.g. ``topk_blocks=8``); ``index_dtype`` "int4" scores the blocks from index keys
+        rounded as the served packed 4-bit index cache stores them (SGL_ATOM_M3_INDEX_DTYPE)."""
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -76,7 +83,7 @@ class M3Reference:
             sparse = replace(sparse, **sparse_overrides)
         raw = load_file(str(path / "model.safetensors"))
         weights = {k.replace(".block_sparse_moe.", ".mlp."): v.to(dtype) for k, v in raw.items()}
-        return cls(cfg, weights, sparse, dtype)
+        return cls(cfg, weights, sparse, dtype, index_dtype)
 
     def forward(
         self,
@@ -156,6 +163,8 @@ class M3Reference:
         idim = sc.index_dim
         iq = self._heads(x, a + "index_q", sc.num_index_heads, idim)
         ik = self._heads(x, a + "index_k", 1, idim)[:, 0]
+        if self.index_dtype == "int4":
+            ik = int4_values(ik)
         scores = reference_block_scores(iq, ik, table, lens, qo, 1, idim**-0.5, dtype=self.dtype)
         picked = reference_select_blocks(
             scores, lens, qo, sc.topk_blocks, sc.init_blocks, sc.local_blocks
@@ -192,6 +201,15 @@ class M3Reference:
         if c.get("n_shared_experts"):
             out = out + self._mlp(p + "shared_experts.", x)
         return out
+
+
+def int4_values(x: torch.Tensor) -> torch.Tensor:
+    """Index keys [tokens, dim] as the packed 4-bit cache holds them (the kernels' reference
+    writer, then q * scale), in x's dtype."""
+    cache = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8)
+    scale = torch.empty(x.shape[0])
+    reference_index_write(x, cache, torch.arange(x.shape[0]), scale)
+    return unpack_int4(cache, x.dtype) * scale.to(x.dtype)[:, None]
 
 
 def route(logits, bias, top_k: int, scoring: str, scale: float):

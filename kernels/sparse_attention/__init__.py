@@ -13,6 +13,7 @@ from .reference import (
     reference_index_write,
     reference_select_blocks,
     reference_sparse_attention,
+    unpack_int4,
 )
 from .sparse_attn import num_splits_for, sparse_attention_fwd
 
@@ -32,4 +33,5 @@ __all__ = [
     "select_blocks",
     "should_score",
     "sparse_attention_fwd",
+    "unpack_int4",
 ]

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import f32_dot, is_fp8, next_pow2, num_sms
+from ..common import f32_dot, is_fp8, is_int4, next_pow2, num_sms, scaled_index
 from .reference import SPARSE_BLOCK
 
 
@@ -31,12 +31,14 @@ def block_score_kernel(
     stride_sh,
     KV_HEADS: tl.constexpr,
     INDEX_DIM: tl.constexpr,
+    ROW_W: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     SBLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DECODE: tl.constexpr,
-    FP8: tl.constexpr,
+    SCALED: tl.constexpr,
+    INT4: tl.constexpr,
     F32_DOT: tl.constexpr,
     F16_DOT: tl.constexpr,
     STAGES: tl.constexpr,
@@ -44,10 +46,13 @@ def block_score_kernel(
     """Program (run of `nb` blocks, row tile, sequence): rows are (token, KV head) pairs of one
     sequence; the blocks are a loop pipelined `STAGES` deep.
 
-    F16_DOT (fp8 cache, 16-bit q): e4m3 keys become fp16 (one instruction per pair; bf16 would
-    take several) and q is multiplied by a power of two per row so that its largest element lies
-    in [2^14, 2^15) before rounding to fp16, which is then exact for bf16 q (8-bit significand in
-    fp16's 11) down to 2^-28 of the row's largest element; the dot's fp32 result is scaled back."""
+    SCALED: the keys carry a per-token fp32 scale (fp8, or INT4: packed 4-bit keys, ROW_W = half
+    the index dim per row; the scores are the two halves' dots summed).
+    F16_DOT (fp8 or 4-bit cache, 16-bit q): the keys become fp16 (e4m3: one instruction per pair;
+    bf16 would take several; 4-bit: `int4_halves`) and q is multiplied by a power of two per row
+    so that its largest element lies in [2^14, 2^15) before rounding to fp16, which is then exact
+    for bf16 q (8-bit significand in fp16's 11) down to 2^-28 of the row's largest element; the
+    dot's fp32 result is scaled back."""
     blk0 = tl.program_id(0) * nb
     b = tl.program_id(2)
     seq_len = tl.load(SL + b)
@@ -67,22 +72,31 @@ def block_score_kernel(
         + tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M - 1, qo_len * KV_HEADS - 1) // KV_HEADS
     )
     if (tl.program_id(1) * BLOCK_M < qo_len * KV_HEADS) & (blk0 * SBLOCK <= max_pos):
+        # a packed 4-bit cache: ROW_W is half the index dim; q is read as its two halves
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < INDEX_DIM
+        d_ok = d < ROW_W
         iq_rows = (q_start + tok).to(tl.int64) * stride_iqt + (rows % KV_HEADS) * INDEX_DIM
-        q = tl.load(
-            IQ + iq_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
-        )
+        q_ptr = IQ + iq_rows[:, None] + d[None, :]
+        q_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)
+        q_max = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        if INT4:
+            q2 = tl.load(q_ptr + ROW_W, mask=q_mask, other=0.0)
+            q_max = tl.maximum(q_max, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
+        else:
+            q2 = q
         if F16_DOT:
-            q = q.to(tl.float32)
-            ebits = (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            ebits = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
             ebits = tl.minimum(tl.maximum(ebits, 15), 254)  # biased exponent of the row max
-            q = (q * ((268 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+            up = ((268 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]
+            q = (q.to(tl.float32) * up).to(tl.float16)
+            q2 = (q2.to(tl.float32) * up).to(tl.float16)
             row_scale = ((ebits - 14) << 23).to(tl.float32, bitcast=True) * scale
         else:
             row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * scale
         if F32_DOT:
             q = q.to(tl.float32)
+            q2 = q2.to(tl.float32)
         out = S + (q_start + tok).to(tl.int64) * stride_st + (rows % KV_HEADS) * stride_sh
         nblk = tl.minimum(nb, max_pos // SBLOCK + 1 - blk0)
         pt_row = PT + b.to(tl.int64) * stride_pt
@@ -97,21 +111,74 @@ def block_score_kernel(
                 page = tl.load(pt_row + p // PAGE, mask=p_ok, other=0)
                 slot = page.to(tl.int64) * PAGE + p % PAGE
             k = tl.load(
-                IK + slot[:, None] * INDEX_DIM + d[None, :],
+                IK + slot[:, None] * ROW_W + d[None, :],
                 mask=p_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            k = k.to(q.dtype)  # fp32 (F32_DOT), fp16 (F16_DOT) or q's 16-bit type
-            if F32_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if INT4:  # dims [0, half) from the low nibbles, [half, dim) from the high ones
+                k_lo, k_hi = int4_halves(k, F32_DOT)
+                if F32_DOT:
+                    s = tl.dot(q, tl.trans(k_lo), input_precision="ieee")
+                    s += tl.dot(q2, tl.trans(k_hi), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k_lo))
+                    s += tl.dot(q2, tl.trans(k_hi))
             else:
-                s = tl.dot(q, tl.trans(k))
+                k = k.to(q.dtype)  # fp32 (F32_DOT), fp16 (F16_DOT) or q's 16-bit type
+                if F32_DOT:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
             s = s * row_scale[:, None]
-            if FP8:
+            if SCALED:
                 s = s * tl.load(IKS + slot, mask=p_ok, other=0.0)[None, :]
             s = tl.where(p[None, :] <= pos[:, None], s, float("-inf"))
             m = tl.max(s, axis=1)
             tl.store(out + blk, m, mask=row_ok & (blk * SBLOCK <= pos))
+
+
+@triton.jit
+def int4_halves(k, F32: tl.constexpr):
+    """Packed 4-bit key bytes -> (low nibbles, high nibbles) as their q values in [-8, 7]: fp32
+    with F32 (integer operations, as Triton's interpreter runs them), else fp16 through
+    `_nibbles_to_f16_asm` (exact: small integers)."""
+    if F32:  # one return for both branches: Triton's compiler refuses differing return types
+        b = k.to(tl.int32)
+        lo = ((b & 15) - 8).to(tl.float32)
+        hi = ((b >> 4) - 8).to(tl.float32)
+    else:
+        lo = _nibbles_to_f16_asm(k, "0")
+        hi = _nibbles_to_f16_asm(k, "4")
+    return lo, hi
+
+
+# four bytes in, two fp16x2 words out: each byte's nibble (SHIFT "0": low, "4": high) becomes the
+# low byte of a half whose high byte is 0x64 (prmt), i.e. the fp16 1024 + nibble, and 1032 is
+# taken off (sub.f16x2): nibble - 8, exactly. Five integer/half2 operations per four keys, where
+# Triton's own uint8 -> fp16 conversion is one slow I2F per key.
+@triton.jit
+def _nibbles_to_f16_asm(k, SHIFT: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, c;
+        shr.b32 t, $2, """
+        + SHIFT
+        + """;
+        and.b32 t, t, 0x0F0F0F0F;
+        mov.b32 c, 0x64086408;
+        prmt.b32 $0, t, 0x64646464, 0x5140;
+        prmt.b32 $1, t, 0x64646464, 0x7362;
+        sub.rn.f16x2 $0, $0, c;
+        sub.rn.f16x2 $1, $1, c;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[k],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -202,9 +269,13 @@ def _check(
     assert (
         index_q.dim() == 3 and index_q.stride(2) == 1 and index_q.stride(1) == index_q.shape[2]
     ), "index_q must be [tokens, kv_heads, index_dim] with contiguous (head, dim)"
-    assert index_cache.is_contiguous() and index_cache.shape[1:] == index_q.shape[2:], (
-        f"index_cache must be [num_slots, {index_q.shape[2]}] contiguous"
-    )
+    width = index_q.shape[2] // 2 if is_int4(index_cache.dtype) else index_q.shape[2]
+    assert (
+        index_cache.is_contiguous()
+        and index_cache.dim() == 2
+        and index_cache.shape[1] == width
+        and index_q.shape[2] % (2 if is_int4(index_cache.dtype) else 1) == 0
+    ), f"index_cache must be [num_slots, {width}] contiguous"
     assert page_table.dtype == torch.int32 and page_table.stride(1) == 1, (
         "page_table: [batch, max_pages] int32"
     )
@@ -214,9 +285,9 @@ def _check(
     assert qo_indptr is None or (
         qo_indptr.dtype == torch.int32 and qo_indptr.numel() == seq_lens.numel() + 1
     )
-    assert not is_fp8(index_cache.dtype) or (
+    assert not scaled_index(index_cache.dtype) or (
         index_scale is not None and index_scale.dtype == torch.float32
-    ), "fp8 index cache needs index_scale [num_slots] fp32"
+    ), "fp8 and 4-bit index caches need index_scale [num_slots] fp32"
     if init_blocks + local_blocks > topk or min(init_blocks, local_blocks) < 0 or topk < 1:
         raise ValueError(
             f"sparse_init_block {init_blocks} + sparse_local_block {local_blocks} must be "
@@ -257,7 +328,8 @@ def block_scores(
         and scores.stride(2) == 1
     )
     block_m = max(16, min(64, next_pow2(max_qo_len * kv_heads)))
-    fp8 = is_fp8(index_cache.dtype)
+    fp8, int4 = is_fp8(index_cache.dtype), is_int4(index_cache.dtype)
+    row_w = index_cache.shape[1]
     row_tiles = triton.cdiv(max_qo_len * kv_heads, block_m)
     nb = blocks_per_program or blocks_per_program_for(
         max_blocks, row_tiles * seq_lens.shape[0], index_q.device
@@ -267,7 +339,7 @@ def block_scores(
     block_score_kernel[grid](
         index_q,
         index_cache,
-        index_scale if fp8 else index_cache,
+        index_scale if fp8 or int4 else index_cache,
         page_table,
         seq_lens,
         seq_lens if qo_indptr is None else qo_indptr,
@@ -280,14 +352,17 @@ def block_scores(
         scores.stride(1),
         KV_HEADS=kv_heads,
         INDEX_DIM=index_dim,
-        BLOCK_D=next_pow2(index_dim),
+        ROW_W=row_w,
+        BLOCK_D=next_pow2(row_w),
         PAGE=page_size,
         SBLOCK=SPARSE_BLOCK,
         BLOCK_M=block_m,
         DECODE=qo_indptr is None,
-        FP8=fp8,
+        SCALED=fp8 or int4,
+        INT4=int4,
         F32_DOT=f32_dot(index_q),
-        F16_DOT=f16 and fp8 and index_q.dtype != torch.float32,
+        # 4-bit keys always dot in fp16 (off the fp32 path): their only GPU conversion
+        F16_DOT=not f32_dot(index_q) and (int4 or (f16 and fp8)),
         STAGES=stages,
         num_warps=warps,
     )
@@ -316,8 +391,9 @@ def select_blocks(
     """Score every visible 128-token block and keep the top `topk` per (token, KV head).
 
     index_q: [total_q, kv_heads, index_dim] bf16/fp16/fp32 (decode: total_q = batch).
-    index_cache: [num_slots, index_dim] bf16/fp16/fp32 or float8_e4m3fn; index_scale: [num_slots]
-      fp32 (fp8 only). Block b of a sequence = positions [128b, 128b + 128) through page_table.
+    index_cache: [num_slots, index_dim] bf16/fp16/fp32 or float8_e4m3fn, or packed 4-bit keys
+      [num_slots, index_dim / 2] uint8 (`index_write`'s layout); index_scale: [num_slots] fp32
+      (fp8 and 4-bit only). Block b of a sequence = positions [128b, 128b + 128) through page_table.
     page_table: [batch, max_pages] int32; seq_lens: [batch] int32 (new tokens included).
     page_size: 1, 16, 64 or 128 (any positive size works). scale: multiplies q·k.
     qo_indptr: [batch + 1] int32 for extend/prefill/verify (new token i of b at position

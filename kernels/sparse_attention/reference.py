@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import FP8_MAX, FP8_SCALE_MIN, is_fp8
+from ..common import FP8_MAX, FP8_SCALE_MIN, INT4_MAX, is_fp8, is_int4, scaled_index
 from ..paged_attention.reference import reference_extend
 
 SPARSE_BLOCK = 128
@@ -20,7 +20,16 @@ def reference_index_write(
     loc: torch.Tensor,
     index_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write `index_k` [tokens, index_dim] into `index_cache[loc]` (fp8: with a per-token scale)."""
+    """Write `index_k` [tokens, index_dim] into `index_cache[loc]` (fp8 and packed 4-bit: with a
+    per-token scale)."""
+    if is_int4(index_cache.dtype):
+        x = index_k.float()
+        scale = (x.abs().amax(-1) / INT4_MAX).clamp_min(FP8_SCALE_MIN)
+        q = torch.floor(x / scale[:, None] + 0.5).clamp(-INT4_MAX, INT4_MAX).to(torch.int32) + 8
+        half = x.shape[-1] // 2
+        index_cache[loc.long()] = (q[:, :half] | (q[:, half:] << 4)).to(torch.uint8)
+        index_scale[loc.long()] = scale
+        return
     if not is_fp8(index_cache.dtype):
         index_cache[loc.long()] = index_k.to(index_cache.dtype)
         return
@@ -35,9 +44,15 @@ def slots_of(page_table_row: torch.Tensor, n: int, page_size: int) -> torch.Tens
     return page_table_row[pos // page_size].long() * page_size + pos % page_size
 
 
+def unpack_int4(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Packed 4-bit index rows [..., index_dim / 2] uint8 -> their q values [..., index_dim]."""
+    b = packed.to(torch.int32)
+    return torch.cat([(b & 15) - 8, (b >> 4) - 8], -1).to(dtype)
+
+
 def _rows(cache, scale, slots, dtype) -> torch.Tensor:
-    rows = cache[slots].to(dtype)
-    if is_fp8(cache.dtype):
+    rows = unpack_int4(cache[slots], dtype) if is_int4(cache.dtype) else cache[slots].to(dtype)
+    if scaled_index(cache.dtype):
         rows = rows * scale[slots].to(dtype).view(
             *scale[slots].shape, *[1] * (rows.dim() - scale.dim())
         )

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from .. import envs
+from ..kernels.common import INT4_DTYPE, scaled_index
 from ..log import get_logger
-from .sparse import SparseConfig
+from .sparse import SparseConfig, index_row_width
 
 logger = get_logger("sgl_atom.attention")
 MODEL_FLAG = "SERVES_SPARSE_ON_ATOM"  # set by sgl_atom's M3 model class
@@ -82,8 +83,10 @@ def skips_sglang_index_pools(kvc: Any) -> str | None:
 
 def index_cache_bytes_per_token(cfg: SparseConfig, layers: range, index_dtype: torch.dtype) -> int:
     """Bytes per token of the atom index cache on a pool holding ``layers``: one key row of
-    ``index_dim`` per scoring sparse layer, plus its fp32 scale when the keys are fp8."""
-    per_layer = cfg.index_dim * index_dtype.itemsize + (4 if index_dtype.itemsize == 1 else 0)
+    ``index_dim`` per scoring sparse layer (packed 4-bit: half a byte per dim), plus its fp32
+    scale when the keys are fp8 or 4-bit."""
+    row = index_row_width(cfg.index_dim, index_dtype) * index_dtype.itemsize
+    per_layer = row + (4 if scaled_index(index_dtype) else 0)
     return len(cfg.writers(layers)) * per_layer
 
 
@@ -107,7 +110,8 @@ def _sglang_index_bytes_per_token(kvc: Any) -> int:
     return len(k_only) * dim * torch._utils._element_size(dtype)
 
 
-INDEX_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# "int4": packed 4-bit keys (kernels.common.INT4_DTYPE, two dims per byte)
+INDEX_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int4": INT4_DTYPE}
 
 
 def atom_index_dtype(fp8_kv: bool) -> torch.dtype:
@@ -118,8 +122,8 @@ def atom_index_dtype(fp8_kv: bool) -> torch.dtype:
         return torch.float8_e4m3fn if fp8_kv else torch.bfloat16
     if choice not in INDEX_DTYPES:
         raise ValueError(
-            f"SGL_ATOM_M3_INDEX_DTYPE={choice!r}: use auto, bf16 or fp8 (the sparse index-key "
-            "cache's dtype)"
+            f"SGL_ATOM_M3_INDEX_DTYPE={choice!r}: use auto, bf16, fp8 or int4 (the sparse "
+            "index-key cache's dtype)"
         )
     return INDEX_DTYPES[choice]
 

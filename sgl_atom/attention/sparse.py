@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.common import INT4_ZERO_BYTE, is_int4, scaled_index
 from ..kernels.sparse_attention import SPARSE_BLOCK, TopkHolder, should_score
 from ..log import get_logger
 from ..parallel_layout import heads_of_rank
@@ -147,10 +148,23 @@ class SparseConfig:
         return tuple(lid for lid in self.sparse_layer_ids if lid in layers and self.scores(lid))
 
 
+def index_row_width(index_dim: int, dtype: torch.dtype) -> int:
+    """Elements per index-cache row: ``index_dim``, or half of it for packed 4-bit keys."""
+    if not is_int4(dtype):
+        return index_dim
+    if index_dim % 2:
+        raise ValueError(
+            f"SGL_ATOM_M3_INDEX_DTYPE=int4 packs two index dims per byte; this model's "
+            f"sparse_index_dim is {index_dim} (odd): use fp8 or bf16"
+        )
+    return index_dim // 2
+
+
 @dataclass
 class IndexCache:
     """Per index-writing sparse layer: index keys ``[slots, index_dim]`` (bf16, or fp8 with
-    ``[slots]`` fp32 scales).
+    ``[slots]`` fp32 scales; packed 4-bit keys are ``[slots, index_dim / 2]`` uint8 with scales,
+    kernels.common.INT4_DTYPE).
 
     ``writers``: the sparse layers that write index keys (score their own top-k). With
     ``use_index_cache`` the others reuse an earlier layer's selection and never read or write
@@ -172,12 +186,13 @@ class IndexCache:
         device = pool.get_key_buffer(start).device
         held = [lid for lid in cfg.sparse_layer_ids if start <= lid < start + pool.layer_num]
         writers = cfg.writers(range(start, start + pool.layer_num))
-        fp8 = dtype == torch.float8_e4m3fn
+        scaled, width = scaled_index(dtype), index_row_width(cfg.index_dim, dtype)
+        zero = INT4_ZERO_BYTE if is_int4(dtype) else 0
         keys = {
-            lid: torch.zeros(slots, cfg.index_dim, dtype=dtype, device=device) for lid in writers
+            lid: torch.full((slots, width), zero, dtype=dtype, device=device) for lid in writers
         }
         scales = {
-            lid: torch.ones(slots, dtype=torch.float32, device=device) if fp8 else None
+            lid: torch.ones(slots, dtype=torch.float32, device=device) if scaled else None
             for lid in writers
         }
         cache = state.index_cache = cls(keys, scales, writers)
@@ -189,8 +204,8 @@ class IndexCache:
             len(held),
             list(writers),
             slots,
-            cfg.index_dim,
-            str(dtype).replace("torch.", ""),
+            width,
+            "int4 (packed)" if is_int4(dtype) else str(dtype).replace("torch.", ""),
             nbytes / 2**20,
         )
         return cache

@@ -15,14 +15,15 @@ inside the draft and paired from the end of the list by the planner. The draft r
 every TP rank (each rank holds every draft KV head), so its regions are replicated at any TP:
 each decode rank receives the whole draft rows from one prefill rank.
 
-A MiniMax-M3-style sparse model adds, per sparse layer that writes index keys, the atom
-backend's index cache (:class:`sgl_atom.attention.sparse.IndexCache`, hung off the pool):
-``index_k`` rows ``[slots, index_dim]`` (one head, replicated on every TP rank) and, for fp8 keys,
-``index_scale`` ``[slots]`` fp32, after the layer's K/V and scales. SGLang serves such a model
-from a ``MiniMaxSparseKVPool``, whose K/V of every layer live in its ``main_pool``; SGLang hands
-a transfer backend the sparse layers' K/V as pages and the dense layers' K/V and its own index
-pool as per-request state. This description moves them all as pages of the regions above (the
-same slot ids), so :attr:`PoolExport.covers` names those state components.
+A MiniMax-M3-style sparse model adds, per sparse layer that writes index keys, the atom backend's
+index cache (:class:`sgl_atom.attention.sparse.IndexCache`, hung off the pool): ``index_k`` rows
+``[slots, index_dim]`` (one head, replicated on every TP rank; packed 4-bit keys: ``[slots,
+index_dim / 2]`` uint8) and, for fp8 and 4-bit keys, ``index_scale`` ``[slots]`` fp32, after the
+layer's K/V and scales. SGLang serves such a model from a ``MiniMaxSparseKVPool``, whose K/V of
+every layer live in its ``main_pool``; SGLang hands a transfer backend the sparse layers' K/V as
+pages and the dense layers' K/V and its own index pool as per-request state. This description moves
+them all as pages of the regions above (the same slot ids), so :attr:`PoolExport.covers` names those
+state components.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from sgl_atom.disagg.regions import (
     FP8_DTYPES,
     SCALE_DTYPE,
+    SCALED_INDEX_DTYPES,
     RegionDesc,
     RegionError,
     RegionKind,
@@ -186,7 +188,7 @@ def describe_index_cache(cache: Any | None, layers: range, min_slots: int) -> In
         key = cache.keys[lid]
         _check_rows(f"index_k layer {lid}", key, (min_slots, dim), dtype)
         tensors[lid] = [key]
-        if dtype in FP8_DTYPES:
+        if dtype in SCALED_INDEX_DTYPES:
             scale = cache.scales.get(lid)
             if scale is None:
                 raise RegionError(

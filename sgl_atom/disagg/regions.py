@@ -76,6 +76,8 @@ class RegionKind(enum.StrEnum):
 # Bytes per element, by the dtype names both peers write (torch's names, without "torch.").
 DTYPE_BYTES = ELEMENT_BYTES
 FP8_DTYPES = FP8_TORCH_NAMES
+# index keys stored with a per-token fp32 scale: fp8, and packed 4-bit ones (two dims per uint8)
+SCALED_INDEX_DTYPES = FP8_TORCH_NAMES | {"uint8"}
 SCALE_DTYPE = "float32"
 
 
@@ -223,11 +225,11 @@ def build_rank_regions(
 
     layers: the global layers this rank's PP stage holds. Per layer: target_k, target_v, then
     k_scale/v_scale (fp8_scales: one fp32 scale per (token, KV head); needs an fp8 dtype), then
-    index_k (index_dim > 0, on index_layers, default every layer; index_dtype defaults to dtype)
-    and index_scale when the index key is fp8. Then the draft pool (draft_layers > 0, normally
-    on the last stage only): draft_k, draft_v and, when fp8_scales and the draft is fp8, their
-    scales, at draft_dtype (default dtype) with draft_kv_heads/draft_head_dim defaulting to the
-    target's. draft_whole: every rank holds all draft heads (replicated, as the ATOM_DSPARK
+    index_k (index_dim > 0, on index_layers, default every layer; index_dtype defaults to dtype) and
+    index_scale when the index key is fp8 or packed 4-bit (uint8). Then the draft pool (draft_layers
+    > 0, normally on the last stage only): draft_k, draft_v and, when fp8_scales and the draft is
+    fp8, their scales, at draft_dtype (default dtype) with draft_kv_heads/draft_head_dim defaulting
+    to the target's. draft_whole: every rank holds all draft heads (replicated, as the ATOM_DSPARK
     draft runs); otherwise the draft's heads are sharded like the target's.
     """
     dtype = canonical_dtype(dtype)
@@ -283,7 +285,7 @@ def _kv_regions(which, layer, dtype, head_dim, per, total, runs, scales, page, r
 
 def _index_regions(layer, dtype, index_dim, page):
     out = [RegionDesc(RegionKind.INDEX_K, layer, dtype, index_dim, 1, 1, replicated=True, **page)]
-    if dtype in FP8_DTYPES:
+    if dtype in SCALED_INDEX_DTYPES:
         out.append(
             RegionDesc(RegionKind.INDEX_SCALE, layer, SCALE_DTYPE, 1, 1, 1, replicated=True, **page)
         )

@@ -6,7 +6,9 @@ The prompt (420 tokens) is longer than (topk + local) blocks of 128 tokens and i
 drop blocks. Decoding after it brings the sparse path to its first log line of block counts.
 
 Also served: fp8 KV (per-token-head scales, fp8 index keys) on the first 300 tokens (tokens
-past 256 skip the middle block); a copy of the checkpoint with ``sparse_topk_blocks`` 4 (every
+past 256 skip the middle block); packed 4-bit index keys (``SGL_ATOM_M3_INDEX_DTYPE=int4``)
+with ``sparse_topk_blocks`` 3 over 600 tokens, so one block per step is picked by its 4-bit
+score; a copy of the checkpoint with ``sparse_topk_blocks`` 4 (every
 block of a 3-block prompt attended) against the same weights with every layer dense
 (``sparse_attention_freq`` all 0: the layers attend through ``RadixAttention``, the index
 projections are not loaded); and a config the sparse kernels cannot serve, which must stop the
@@ -29,6 +31,14 @@ from sgl_atom.testing import tiny
 from sgl_atom.testing.server import Server
 
 PROMPT_TOKENS = 420
+# 4-bit index keys: five blocks and top-3 of them (init + local + one picked by its score), so
+# the selection depends on the 4-bit scores (the tiny model's own top-2 is init + local only).
+# Measured (CPU, 2026-12-04) against a float64 reference scoring from the same 4-bit keys: mean
+# |dlogp| 0.005, 97.2% within 0.03, max 0.09; against the exact-key reference: mean 0.007, max
+# 0.16. A key computed in bf16 by the server can round to the next 4-bit step where float64's
+# does not (a step is amax / 7), so near-tied blocks can swap: the fp8 bounds apply, and the
+# served log-probs must be closer to the 4-bit reference than to the exact-key one.
+INT4_TOKENS, INT4_TOPK = 600, 3
 # bf16 server vs float64 reference. Nearly every position agrees to ~1e-2; a token whose
 # expert routing is a near-tie (top-2 vs third score within ~1e-3) can pick another expert
 # in bf16 and move by ~0.16, so the bound on the maximum is looser than on the bulk.
@@ -91,8 +101,8 @@ def prompt(model) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(model)
     text = " ".join(word_prompts(40, seed=3, min_words=20, max_words=40))
-    ids = tok(text)["input_ids"][:PROMPT_TOKENS]
-    assert len(ids) == PROMPT_TOKENS
+    ids = tok(text)["input_ids"][:INT4_TOKENS]
+    assert len(ids) == INT4_TOKENS
     return ids
 
 
@@ -102,18 +112,21 @@ def m3_runs(servers, model, prompt) -> dict[str, tuple[list[float], list[int], S
     log-probs, greedy tokens, the stopped server); "unservable" -> the server that refused."""
     layers = M3Reference.load(model).cfg["num_hidden_layers"]
     sparse = _variant(model, f"topk{COVER_TOPK}", {"sparse_topk_blocks": COVER_TOPK})
+    int4_model = _variant(model, f"topk{INT4_TOPK}", {"sparse_topk_blocks": INT4_TOPK})
     dense_cfg = {"sparse_attention_freq": [0] * layers, "sparse_disable_index_value": [0] * layers}
     bad = _variant(model, "unservable", UNSERVABLE["sparse"], head_dim=UNSERVABLE["head_dim"])
     jobs = {  # name: (checkpoint, args, prompt, greedy tokens)
-        "bf16": (model, ARGS, prompt, DECODE_TOKENS),
+        "bf16": (model, ARGS, prompt[:PROMPT_TOKENS], DECODE_TOKENS),
         "fp8": (model, [*ARGS, "--kv-cache-dtype", "fp8_e4m3"], prompt[:FP8_TOKENS], DECODE_TOKENS),
+        "int4": (int4_model, ARGS, prompt[:INT4_TOKENS], DECODE_TOKENS),
         "sparse": (sparse, ARGS, prompt[:COVER_TOKENS], COVER_NEW),
         "dense": (_variant(model, "dense", dense_cfg), ARGS, prompt[:COVER_TOKENS], COVER_NEW),
         "unservable": (bad, ARGS, None, 0),
     }
-    # five servers start at once on two cores: allow them twice the time
+    env = {name: ENV for name in jobs} | {"int4": {**ENV, "SGL_ATOM_M3_INDEX_DTYPE": "int4"}}
+    # six servers start at once on two cores: allow them twice the time
     started = servers.start_many(
-        {f"m3-{name}": (path, args, ENV) for name, (path, args, _, _) in jobs.items()},
+        {f"m3-{name}": (path, args, env[name]) for name, (path, args, _, _) in jobs.items()},
         timeout=2 * envs.SGL_ATOM_SERVER_TIMEOUT.get(),
         refused=["m3-unservable"],
     )
@@ -128,6 +141,35 @@ def m3_runs(servers, model, prompt) -> dict[str, tuple[list[float], list[int], S
     out = side_by_side(answer, work)
     out["unservable"] = ([], [], started["m3-unservable"])
     return out
+
+
+def test_int4_index_keys_score_as_the_reference_rounds_them(m3_runs, model, prompt, report):
+    """SGL_ATOM_M3_INDEX_DTYPE=int4 under bf16 KV, top-3 of 5 blocks: the index cache is packed
+    4-bit and priced so, blocks are skipped, and the log-probs match a float64 reference that
+    scores from the same 4-bit keys (within the fp8 server's bounds, closer than to the exact-key
+    reference)."""
+    logprobs, _, srv = m3_runs["int4"]
+    log = srv.log_text()
+    assert re.search(r"sparse index cache: .*\[\d+ slots, 64\] int4 \(packed\)", log), log[-800:]
+    budget = re.search(r"M3 index keys: per-token budget (\d+) -> (\d+) bytes", log)
+    assert budget and int(budget[1]) - int(budget[2]) == 3 * 128 * 2 - 2 * (64 + 4), budget
+    ids = torch.tensor(prompt[:INT4_TOKENS])
+    ref = M3Reference.load(model, index_dtype="int4", topk_blocks=INT4_TOPK)
+    err = _abs_err(logprobs, ref.logprobs(ids))
+    exact = _abs_err(logprobs, M3Reference.load(model, topk_blocks=INT4_TOPK).logprobs(ids))
+    bulk = (err <= FP8_TOL_BULK).double().mean().item()
+    report(
+        f"m3 int4 index keys, top-{INT4_TOPK}, vs float64 reference over the same 4-bit keys "
+        f"({INT4_TOKENS} tokens): max |dlogp| {err.max():.4f}, mean {err.mean():.4f}, within "
+        f"{FP8_TOL_BULK}: {bulk:.1%}, within 0.03: {(err <= 0.03).double().mean():.1%}; vs the "
+        f"exact-key reference: max {exact.max():.4f}, mean {exact.mean():.4f}"
+    )
+    attended, visible, skipped = _skip_counts(srv)
+    assert skipped > 0 and attended + skipped == visible
+    assert err.mean() <= FP8_TOL_MEAN, f"mean |dlogp| {err.mean():.4f}"
+    assert bulk >= FP8_BULK_FRACTION, f"only {bulk:.1%} of positions within {FP8_TOL_BULK}"
+    assert err.max() <= FP8_TOL_MAX, f"max |dlogp| {err.max():.4f} at {int(err.argmax())}"
+    assert err.mean() < exact.mean(), "the served selection does not follow the 4-bit scores"
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +190,7 @@ def _skip_counts(srv: Server) -> tuple[int, int, int]:
 
 def test_logprobs_match_reference(served, model, prompt, report):
     got = torch.tensor(served[0], dtype=torch.float64)
-    ref = M3Reference.load(model).logprobs(torch.tensor(prompt))
+    ref = M3Reference.load(model).logprobs(torch.tensor(prompt[:PROMPT_TOKENS]))
     err = (got - ref).abs()
     bulk = (err <= TOL_BULK).double().mean().item()
     report(

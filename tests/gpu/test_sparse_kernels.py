@@ -48,11 +48,18 @@ def case(mode, page_size, **kw):
     return make_case(seqs, qo, page_size, decode=mode == "decode", dev="cuda", **SHAPE, **kw)
 
 
-@pytest.mark.parametrize("index", ["bf16", "fp8"])
+def test_gpu_index_write_int4():
+    """The packed 4-bit index write on the GPU: the CPU test's checks (bytes and scales equal the
+    reference writer's, half a step at most, slots outside loc untouched)."""
+    _u.test_index_write_int4()
+
+
+@pytest.mark.parametrize("index", ["bf16", "fp8", "int4"])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_gpu_scores(mode, page_size, index):
-    c = case(mode, page_size, dtype=torch.bfloat16, index_fp8=index == "fp8", seed=page_size)
+    kw = dict(index_fp8=index == "fp8", index_int4=index == "int4")
+    c = case(mode, page_size, dtype=torch.bfloat16, seed=page_size, **kw)
     scores = sa.block_scores(
         c.iq,
         c.ik,
@@ -79,11 +86,13 @@ def test_gpu_scores(mode, page_size, index):
     assert_close_rel(scores.cpu()[..., : ref.shape[2]][vis], ref[vis], 1e-5, "block scores")
 
 
+@pytest.mark.parametrize("index", ["fp8", "int4"])
 @pytest.mark.parametrize("magnitude", [1e-7, 1e7], ids=lambda m: f"q{m:g}")
 @pytest.mark.parametrize("nb", [1, 4])
-def test_gpu_scores_fp8_q_magnitude(nb, magnitude):
-    """fp16 dots for an fp8 cache: q far outside fp16's range still scores exactly."""
-    c = case("decode", 128, dtype=torch.bfloat16, index_fp8=True, seed=5)
+def test_gpu_scores_scaled_q_magnitude(nb, magnitude, index):
+    """fp16 dots for an fp8 or 4-bit cache: q far outside fp16's range still scores exactly."""
+    kw = dict(index_fp8=index == "fp8", index_int4=index == "int4")
+    c = case("decode", 128, dtype=torch.bfloat16, seed=5, **kw)
     c.iq.mul_(magnitude)
     c.iq[-1, -1] = 0.0
     scores = sa.block_scores(

@@ -40,9 +40,10 @@ def _sparse_cfg() -> SparseConfig:
     )
 
 
-def _pool(fp8: bool, index: bool = True, index_fp8: bool | None = None) -> _Pool:
+def _pool(fp8: bool, index: bool = True, index_fp8: bool | str | None = None) -> _Pool:
     """An MHA pool stand-in with what the atom backend hangs off it: fp8 KV scales, and the
-    index cache built by the backend's own IndexCache.for_pool (NaN-poisoned)."""
+    index cache built by the backend's own IndexCache.for_pool (NaN-poisoned; index_fp8 "int4":
+    packed 4-bit keys)."""
     dtype = FP8 if fp8 else torch.bfloat16
     pool = _Pool(
         k_buffer=[_nan((SLOTS, HEADS, HEAD_DIM), dtype) for _ in range(LAYERS)],
@@ -61,9 +62,10 @@ def _pool(fp8: bool, index: bool = True, index_fp8: bool | None = None) -> _Pool
         )
     if index:
         idx_fp8 = fp8 if index_fp8 is None else index_fp8
-        cache = IndexCache.for_pool(pool, _sparse_cfg(), FP8 if idx_fp8 else torch.bfloat16)
+        idx_dtype = torch.uint8 if idx_fp8 == "int4" else FP8 if idx_fp8 else torch.bfloat16
+        cache = IndexCache.for_pool(pool, _sparse_cfg(), idx_dtype)
         for lid in cache.keys:
-            cache.keys[lid].copy_(_nan((SLOTS, INDEX_DIM), cache.keys[lid].dtype))
+            cache.keys[lid].copy_(_nan(tuple(cache.keys[lid].shape), cache.keys[lid].dtype))
     return pool
 
 
@@ -129,6 +131,22 @@ def test_fp8_index_keys_carry_their_scales():
     assert region_counts(export) == (
         "target_k 4, target_v 4, k_scale 4, v_scale 4, index_k 2, index_scale 2"
     )
+
+
+def test_int4_index_keys_move_as_packed_bytes_with_their_scales():
+    """Packed 4-bit index keys: half a byte per dim, then their per-token scale, as fp8's."""
+    pool = _pool(fp8=False, index_fp8="int4")
+    export = _export(pool)
+    pairs = zip(export.regions, export.tensors, strict=True)
+    by_kind = {(r.kind, r.global_layer): (r, t) for r, t in pairs}
+    cache = pool_state.peek(pool).index_cache
+    key, key_t = by_kind[(RegionKind.INDEX_K, 3)]
+    scale, scale_t = by_kind[(RegionKind.INDEX_SCALE, 3)]
+    assert key_t is cache.keys[3] and scale_t is cache.scales[3]
+    assert tuple(key_t.shape) == (SLOTS, INDEX_DIM // 2)
+    assert (key.dtype, key.head_dim, key.unit_bytes) == ("uint8", INDEX_DIM // 2, INDEX_DIM // 2)
+    assert (scale.dtype, scale.unit_bytes) == ("float32", 4)
+    assert region_counts(export) == "target_k 4, target_v 4, index_k 2, index_scale 2"
 
 
 def test_minimax_sparse_pool_is_described_through_its_main_pool():
@@ -277,3 +295,11 @@ def test_an_index_dtype_mismatch_is_refused_naming_region_and_values():
     text = str(e.value)
     assert "index_k layer 1: dtype producer float8_e4m3fn, consumer bfloat16" in text, text
     assert "index_scale layer 1: producer exports it, consumer has no such region" in text
+
+
+def test_an_int4_index_against_fp8_is_refused():
+    producer = _export(_pool(fp8=True, index_fp8="int4"))
+    hs = _consumer(_pool(fp8=True), aux=tuple(AUX))
+    with pytest.raises(HandshakeError) as e:
+        plan_for_peer(producer, 0, 1, True, AUX, hs)
+    assert "index_k layer 1: dtype producer uint8, consumer float8_e4m3fn" in str(e.value)

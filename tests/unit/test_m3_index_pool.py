@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgl_atom.attention import m3_index_pool as mip
-from sgl_atom.attention.sparse import SparseConfig
+from sgl_atom.attention.sparse import SparseConfig, index_row_width
 from sgl_atom.cpu_mode import cache_dir
 from sgl_atom.patches import m3_index_pool, m3_index_pool_build
 from sgl_atom.testing import tiny
@@ -117,24 +117,28 @@ def test_budget_prices_the_atom_cache_instead(hf_config, atom_backends, monkeypa
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
-@pytest.mark.parametrize("choice", ["auto", "bf16", "fp8", "FP8"])
+@pytest.mark.parametrize("choice", ["auto", "bf16", "fp8", "FP8", "int4"])
 def test_index_dtype_choice_is_priced(hf_config, atom_backends, monkeypatch, kv_fp8, choice):
     """SGL_ATOM_M3_INDEX_DTYPE picks the index keys' dtype whatever the KV dtype (auto follows
     it), and the pool budget prices what the backend will allocate."""
     monkeypatch.setenv("SGL_ATOM_M3_INDEX_DTYPE", choice)
     want_fp8 = kv_fp8 if choice == "auto" else choice.lower() == "fp8"
     want = torch.float8_e4m3fn if want_fp8 else torch.bfloat16
+    if choice == "int4":
+        want = torch.uint8  # packed: 64 bytes + a 4-byte scale per scoring layer
     assert mip.atom_index_dtype(kv_fp8) == want
     monkeypatch.setattr(mip, "_sglang_index_bytes_per_token", lambda kvc: 0)
     conf = SimpleNamespace(_cell_size=1_000)
     kv = torch.float8_e4m3fn if kv_fp8 else torch.bfloat16
     assert mip.price_atom_index_cache(conf, _kvc(hf_config, kv_dtype=kv)) is conf
-    assert conf._cell_size == 1_000 + (2 * (128 + 4) if want_fp8 else 2 * 128 * 2)
+    per_layer = 64 + 4 if choice == "int4" else 128 + 4 if want_fp8 else 128 * 2
+    assert conf._cell_size == 1_000 + 2 * per_layer
 
 
 def test_an_unknown_index_dtype_is_refused(monkeypatch):
     monkeypatch.setenv("SGL_ATOM_M3_INDEX_DTYPE", "fp16")
-    with pytest.raises(ValueError, match="SGL_ATOM_M3_INDEX_DTYPE='fp16': use auto, bf16 or fp8"):
+    want = "SGL_ATOM_M3_INDEX_DTYPE='fp16': use auto, bf16, fp8 or int4"
+    with pytest.raises(ValueError, match=want):
         mip.atom_index_dtype(False)
 
 
@@ -148,3 +152,11 @@ def test_index_values_or_hisparse_keep_sglang_pools(hf_config, atom_backends, mo
     assert "index value" in mip.skips_sglang_index_pools(_kvc(with_value))
     monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(enable_hisparse=True))
     assert mip.skips_sglang_index_pools(_kvc(hf_config)) == "HiSparse"
+
+
+def test_int4_index_keys_need_an_even_index_dim():
+    """Packed 4-bit keys hold two dims per byte: an odd sparse_index_dim is refused by name."""
+    assert index_row_width(128, torch.uint8) == 64
+    assert index_row_width(127, torch.float8_e4m3fn) == 127
+    with pytest.raises(ValueError, match="sparse_index_dim is 127 .odd.: use fp8 or bf16"):
+        index_row_width(127, torch.uint8)

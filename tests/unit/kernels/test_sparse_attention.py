@@ -38,6 +38,14 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[..., None]).to(FP8), scale.float()
 
 
+def pack_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index rows [slots, dim] as packed 4-bit keys and their scales (the reference writer)."""
+    slots, dim = x.shape
+    cache, scale = torch.empty(slots, dim // 2, dtype=torch.uint8), torch.empty(slots)
+    sa.reference_index_write(x, cache, torch.arange(slots), scale)
+    return cache, scale
+
+
 def make_case(
     seq_lens,
     qo_lens,
@@ -49,6 +57,7 @@ def make_case(
     dtype=torch.float32,
     kv_fp8=False,
     index_fp8=False,
+    index_int4=False,
     decode=False,
     seed=0,
     dev=None,
@@ -73,6 +82,8 @@ def make_case(
         k, v = k.to(dtype), v.to(dtype)
     if index_fp8:
         ik, iks = quantize(ik)
+    elif index_int4:
+        ik, iks = pack_int4(ik)
     else:
         ik = ik.to(dtype)
     total_q = sum(qo_lens)
@@ -138,6 +149,39 @@ def visible_mask(c: Case, max_blocks: int) -> torch.Tensor:
 
 
 # ---- index write -------------------------------------------------------------------------------
+
+
+def test_index_write_int4():
+    """Packed 4-bit keys: the kernel's bytes and scales equal the reference writer's, each key
+    dequantizes to within half a step of its value (a float64 check independent of both), and
+    slots outside loc stay untouched."""
+    dev, gen = device(), torch.Generator().manual_seed(2)
+    tokens, index_dim, slots = 37, 24, 90
+    x = torch.randn(tokens, index_dim, generator=gen)
+    x[0] = 0.0  # an all-zero row: scale floored, every nibble 8
+    x[1, :3] = torch.tensor([7.0, -3.5, 0.5])  # exact half steps of scale 1 round up
+    x[1, 3:] = 0.0
+    x = x.to(torch.bfloat16).to(dev)
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(dev)
+    cache = poisoned((slots, index_dim // 2), torch.uint8, dev)
+    scale = poisoned((slots,), torch.float32, dev)
+    sa.index_write(x, cache, loc, scale)
+    want = poisoned((slots, index_dim // 2), torch.uint8, "cpu")
+    want_scale = poisoned((slots,), torch.float32, "cpu")
+    sa.reference_index_write(x.cpu(), want, loc.cpu(), want_scale)
+    rows = loc.cpu()
+    got, got_scale = cache.cpu(), scale.cpu()
+    assert torch.equal(got[rows], want[rows]), "4-bit index bytes differ from the reference"
+    assert torch.equal(got_scale[rows], want_scale[rows]), "4-bit index scales differ"
+    q = sa.unpack_int4(got[rows], torch.float64)
+    assert q.abs().max() <= 7
+    err = (q * got_scale[rows].double()[:, None] - x.cpu().double()).abs()
+    assert (err <= got_scale[rows].double()[:, None] * (0.5 + 1e-6)).all(), "past half a step"
+    assert torch.equal(got[rows[0]], torch.full((index_dim // 2,), 0x88, dtype=torch.uint8))
+    assert sa.unpack_int4(got[rows[1]])[:3].tolist() == [7.0, -3.0, 1.0]  # floor(x + 0.5)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[rows] = False
+    assert (got[untouched] == 255).all() and torch.isnan(got_scale[untouched]).all()
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -211,22 +255,24 @@ def check_block_scores(c, **tuning) -> None:
     assert_close_rel(scores.cpu()[vis], ref[vis], 1e-5, "block scores")
 
 
-@pytest.mark.parametrize("index", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("index", ["fp32", "bf16", "fp8", "int4"])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("mode", MODES)
 def test_block_scores_match_reference(mode, page_size, index):
-    dtype = torch.bfloat16 if index == "bf16" else torch.float32
-    check_block_scores(
-        mode_case(mode, page_size, dtype=dtype, index_fp8=index == "fp8", seed=page_size)
-    )
+    dtype = torch.bfloat16 if index in ("bf16", "int4") else torch.float32
+    kw = dict(index_fp8=index == "fp8", index_int4=index == "int4")
+    check_block_scores(mode_case(mode, page_size, dtype=dtype, seed=page_size, **kw))
 
 
+@pytest.mark.parametrize("index", ["fp8", "int4"])
 @pytest.mark.parametrize("magnitude", [1e-7, 1.0, 1e7], ids=lambda m: f"q{m:g}")
 @pytest.mark.parametrize("mode", ["decode", "verify"])
-def test_block_scores_fp8_cache_bf16_q_any_magnitude(mode, magnitude):
-    """An fp8 cache with bf16 q scores through fp16 dots, q scaled per row by a power of two:
-    exact also for q far outside fp16's range (1e7 would overflow it, 1e-7 would be subnormal)."""
-    c = mode_case(mode, 64, dtype=torch.bfloat16, index_fp8=True, seed=11)
+def test_block_scores_scaled_cache_bf16_q_any_magnitude(mode, magnitude, index):
+    """An fp8 or 4-bit cache with bf16 q scores through fp16 dots on a GPU, q scaled per row by a
+    power of two: exact also for q far outside fp16's range (1e7 would overflow it, 1e-7 would be
+    subnormal)."""
+    kw = dict(index_fp8=index == "fp8", index_int4=index == "int4")
+    c = mode_case(mode, 64, dtype=torch.bfloat16, seed=11, **kw)
     c.iq.mul_(magnitude)
     c.iq[0, 0, :4] = 0.0  # zeros inside a row, and one all-zero row below
     c.iq[-1, -1] = 0.0
@@ -235,7 +281,7 @@ def test_block_scores_fp8_cache_bf16_q_any_magnitude(mode, magnitude):
 
 @pytest.mark.parametrize("nb", [1, 3, 8], ids=lambda n: f"nb{n}")
 def test_block_scores_blocks_per_program(nb):
-    c = mode_case("verify", 16, index_fp8=nb == 3, seed=nb)
+    c = mode_case("verify", 16, index_fp8=nb == 3, index_int4=nb == 8, seed=nb)
     scores = sa.block_scores(
         c.iq,
         c.ik,
