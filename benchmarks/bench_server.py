@@ -925,7 +925,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--m3-index",
         default="auto",
-        help="index-key dtypes of the sparse M3 server, comma-separated (auto, bf16, fp8: "
+        help="index-key dtypes of the sparse M3 server, comma-separated (auto, bf16, fp8, int4: "
         "SGL_ATOM_M3_INDEX_DTYPE); one sparse server each",
     )
     ap.add_argument(
@@ -962,8 +962,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(str(e)) from None
     if bad := set(args.spec_overlap.split(",")) - set(dspark.OVERLAP_FLAGS):
         raise SystemExit(f"--spec-overlap: {sorted(bad)} unknown; give on, off or on,off")
-    if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8"}:
-        raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16 or fp8")
+    if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8", "int4"}:
+        raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16, fp8 or int4")
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
         raise SystemExit(f"--m3-kinds: {sorted(bad)} unknown; give sparse, dense or both")
     if args.quick:

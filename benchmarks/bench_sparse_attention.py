@@ -4,7 +4,8 @@
     python benchmarks/bench_sparse_attention.py --out benchmarks/results
 
 Shapes: 64 q / 8 KV heads (GQA 8:1), head_dim 128, index_dim 128, page 128, top-16 blocks of
-128 tokens (1 init + 1 local), contexts 32K and 128K, batch 1..64. The sparse step is
+128 tokens (1 init + 1 local), contexts 32K and 128K, batch 1..64; index keys bf16, fp8 and
+packed 4-bit (`--index`). The sparse step is
 select_blocks (scores + top-k) + sparse_attention_fwd; the baseline is the dense
 `paged_attention.decode_fwd` over the whole context. Timing: CUDA-graph replay medians; problems
 whose bytes fit in L2 are repeated over disjoint pages in one replay (time divided by the count).
@@ -27,8 +28,13 @@ FP8 = torch.float8_e4m3fn
 L2_SPAN = 192 << 20  # repeat a problem until this many bytes are touched per replay
 
 
+# bytes per token of each index cache (fp8 and 4-bit: a 4-byte scale beside the keys)
+INDEX_BYTES = {"bf16": 2 * DI, "fp8": DI + 4, "int4": DI // 2 + 4}
+
+
 class Pool:
-    """One shared paged pool (K, V, index cache bf16 + fp8) big enough for the largest case."""
+    """One shared paged pool (K, V, index cache bf16, fp8 and 4-bit) big enough for the largest
+    case."""
 
     def __init__(self, slots: int):
         self.k = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -36,10 +42,18 @@ class Pool:
         self.ik = torch.randn(slots, DI, device="cuda", dtype=torch.bfloat16)
         self.ik8 = torch.empty(slots, DI, device="cuda", dtype=FP8)
         self.iks = torch.empty(slots, device="cuda")
+        self.ik4 = torch.empty(slots, DI // 2, device="cuda", dtype=torch.uint8)
+        self.ik4s = torch.empty(slots, device="cuda")
         for lo in range(0, slots, 1 << 22):
             hi = min(slots, lo + (1 << 22))
-            sa.index_write(self.ik[lo:hi], self.ik8, torch.arange(lo, hi, device="cuda"), self.iks)
+            at = torch.arange(lo, hi, device="cuda")
+            sa.index_write(self.ik[lo:hi], self.ik8, at, self.iks)
+            sa.index_write(self.ik[lo:hi], self.ik4, at, self.ik4s)
         self.pages = slots // PAGE
+
+    def index(self, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        caches = {"bf16": (self.ik, None), "fp8": (self.ik8, self.iks)}
+        return {**caches, "int4": (self.ik4, self.ik4s)}[kind]
 
 
 def tables(pool: Pool, batch: int, ctx: int, reps: int) -> list[torch.Tensor]:
@@ -50,20 +64,18 @@ def tables(pool: Pool, batch: int, ctx: int, reps: int) -> list[torch.Tensor]:
 
 
 def measure(
-    pool: Pool, batch: int, ctx: int, fp8_index: bool, cfg: dict, select_only: bool = False
+    pool: Pool, batch: int, ctx: int, index: str, cfg: dict, select_only: bool = False
 ) -> dict:
-    """Timings of one shape; cfg[fp8_index] = (blocks per scoring program or None for the
-    library's choice, scoring config (stages, warps, fp16 dots) or None for its default)."""
-    nb, score_cfg = cfg[fp8_index]
-    sparse_bytes = batch * (
-        ctx * (DI + 4 * fp8_index) * (1 if fp8_index else 2) + HKV * TOPK * PAGE * D * 4
-    )
+    """Timings of one shape; cfg[index] = (blocks per scoring program or None for the library's
+    choice, scoring config (stages, warps, fp16 dots) or None for its default)."""
+    nb, score_cfg = cfg[index]
+    sparse_bytes = batch * (ctx * INDEX_BYTES[index] + HKV * TOPK * PAGE * D * 4)
     reps = max(1, min(8, math.ceil(L2_SPAN / sparse_bytes), pool.pages // (batch * ctx // PAGE)))
     pts = tables(pool, batch, ctx, reps)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     iq = torch.randn(batch, HKV, DI, device="cuda", dtype=torch.bfloat16)
-    ik, iks = (pool.ik8, pool.iks) if fp8_index else (pool.ik, None)
+    ik, iks = pool.index(index)
     scores = torch.empty(batch, HKV, ctx // 128, device="cuda")
     sel = [
         (
@@ -147,7 +159,7 @@ def measure(
     return dict(
         batch=batch,
         ctx=ctx,
-        index="fp8" if fp8_index else "bf16",
+        index=index,
         splits=splits,
         reps=reps,
         t_select=t_sel,
@@ -156,12 +168,13 @@ def measure(
         t_sparse=t_all,
         t_dense=t_dense,
         att_bytes=att_bytes,
-        index_bytes=batch * ctx * (DI + 4 * fp8_index) * (1 if fp8_index else 2),
+        index_bytes=batch * ctx * INDEX_BYTES[index],
     )
 
 
 def check(pool: Pool) -> None:
-    """The benchmark's own inputs through the references (one small case) before any figure."""
+    """The benchmark's own inputs through the references (one small case) before any figure;
+    the 4-bit index's block scores against the float64 reference over its own keys."""
     batch, ctx = 2, 2048
     pt = tables(pool, batch, ctx, 1)[0]
     seq = torch.tensor([ctx, ctx - 77], dtype=torch.int32, device="cuda")
@@ -173,19 +186,26 @@ def check(pool: Pool) -> None:
     ref = sa.reference_sparse_attention(q, pool.k, pool.v, pt, seq, indptr, sel, PAGE, D**-0.5)
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"sparse attention relative error {err}"
+    ik4, ik4s = pool.index("int4")
+    got = sa.block_scores(iq, ik4, pt, seq, PAGE, D**-0.5, index_scale=ik4s)
+    want = sa.reference_block_scores(iq, ik4, pt, seq, indptr, PAGE, D**-0.5, ik4s)
+    got = got.cpu()[..., : want.shape[2]].double()
+    ok = torch.isfinite(want)
+    err = ((got[ok] - want[ok]).norm() / want[ok].norm()).item()
+    assert err < 1e-5, f"4-bit index block scores relative error {err}"
 
 
 # (blocks per program, (stages, warps, fp16 dots)) tried at batch 64 x 128K; None = library choice.
 # The first of each list is the earlier kernel's scheme: one block per program, no pipelining,
 # bf16 dots (fp8 keys converted to bf16).
 TUNE = {
-    False: [
+    "bf16": [
         (1, (1, 4, False)),
         (None, (1, 4, False)),
         (None, (2, 4, False)),
         (None, (3, 4, False)),
     ],
-    True: [
+    "fp8": [
         (1, (1, 4, False)),
         (None, (2, 4, False)),
         (1, (1, 4, True)),
@@ -193,20 +213,21 @@ TUNE = {
         (None, (2, 4, True)),
         (None, (3, 4, True)),
     ],
+    "int4": [(1, (1, 4, True)), (None, (1, 4, True)), (None, (2, 4, True)), (None, (3, 4, True))],
 }
 
 
-def tune(pool: Pool) -> tuple[dict, list]:
+def tune(pool: Pool, kinds: list[str]) -> tuple[dict, list]:
     """Scoring (blocks per program, config) per index dtype, by select time at batch 64 x 128K."""
     log = []
-    for fp8 in (False, True):
-        for cand in TUNE[fp8]:
-            t = measure(pool, 64, 131072, fp8, {fp8: cand}, select_only=True)["t_select"]
-            log.append((("fp8" if fp8 else "bf16", *cand), t))
+    for kind in kinds:
+        for cand in TUNE[kind]:
+            t = measure(pool, 64, 131072, kind, {kind: cand}, select_only=True)["t_select"]
+            log.append(((kind, *cand), t))
     best = {}
-    for fp8 in (False, True):
-        runs = [(c[1:], t) for c, t in log if c[0] == ("fp8" if fp8 else "bf16")]
-        best[fp8] = min(runs, key=lambda x: x[1])[0]
+    for kind in kinds:
+        runs = [(c[1:], t) for c, t in log if c[0] == kind]
+        best[kind] = min(runs, key=lambda x: x[1])[0]
     return best, log
 
 
@@ -218,7 +239,7 @@ def plot(rows: list, path: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for ctx in sorted({r["ctx"] for r in rows}):
-        for idx in ("bf16", "fp8"):
+        for idx in sorted({r["index"] for r in rows}):
             rs = [r for r in rows if r["ctx"] == ctx and r["index"] == idx]
             b = [r["batch"] for r in rs]
             ax[0].plot(
@@ -233,7 +254,7 @@ def plot(rows: list, path: str) -> None:
                 "o-",
                 label=f"{ctx // 1024}K, {idx} index",
             )
-    ax[0].axhline(20, color="gray", ls="--", lw=1)
+    ax[0].axhline(30, color="gray", ls="--", lw=1)
     ax[0].set(
         xscale="log",
         xlabel="batch",
@@ -258,19 +279,23 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--index", default="bf16,fp8,int4", help="index-key caches to time")
     args = ap.parse_args()
+    kinds = args.index.split(",")
+    if bad := set(kinds) - set(INDEX_BYTES):
+        raise SystemExit(f"--index: {sorted(bad)} unknown; give some of bf16, fp8, int4")
     os.makedirs(args.out, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     copy = copy_bandwidth()
     pool = Pool(max(batches) * max(contexts) + 8 * PAGE * 64)
     check(pool)
-    cfg, log = tune(pool)
+    cfg, log = tune(pool, kinds)
     print(
         "scoring tuning (index, blocks/program, (stages, warps, fp16 dots); b64 128K select ms):",
         [(c, round(t, 4)) for c, t in log],
     )
-    rows = [measure(pool, b, c, f, cfg) for c in contexts for b in batches for f in (False, True)]
+    rows = [measure(pool, b, c, k, cfg) for c in contexts for b in batches for k in kinds]
     table = [
         [
             f"b{r['batch']} ctx{r['ctx'] // 1024}K",
@@ -308,14 +333,14 @@ def main() -> None:
         f"device: {device_name()}; copy ceiling {copy:.0f} GB/s (read+write); "
         f"{HQ} q / {HKV} kv heads, "
         f"head_dim {D}, index_dim {DI}, page {PAGE}, top-{TOPK} blocks; scoring (blocks/program, "
-        f"(stages, warps, fp16 dots)) bf16 {cfg[False]}, fp8 {cfg[True]} (None: library "
+        f"(stages, warps, fp16 dots)) {cfg} (None: library "
         "choice); attention block_n 64, 4 warps, 2 stages; "
         "select = score + top-k; index GB/s = index bytes / score time\n\n"
         + format_table(head, table)
     )
     with open(os.path.join(args.out, "sparse_attention.json"), "w") as f:
         json.dump(
-            dict(copy_gbs=copy, scoring=[cfg[False], cfg[True]], tuning=log, rows=rows),
+            dict(copy_gbs=copy, scoring=cfg, tuning=log, rows=rows),
             f,
             indent=1,
         )
