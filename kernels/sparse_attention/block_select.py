@@ -361,8 +361,9 @@ def block_scores(
         SCALED=fp8 or int4,
         INT4=int4,
         F32_DOT=f32_dot(index_q),
-        # 4-bit keys always dot in fp16 (off the fp32 path): their only GPU conversion
-        F16_DOT=not f32_dot(index_q) and (int4 or (f16 and fp8)),
+        # 4-bit keys always dot in fp16 off an fp32 q (their only GPU conversion); on CPU the
+        # q scaling runs too, under the fp32 dots
+        F16_DOT=index_q.dtype != torch.float32 and (int4 or (f16 and fp8)),
         STAGES=stages,
         num_warps=warps,
     )
