@@ -156,7 +156,7 @@ SPEC_ARGS = [
 SPEC_PROMPTS = word_prompts(8, seed=7, min_words=4, max_words=24)
 PD_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
 SOAK_REQUESTS, SOAK_CONCURRENCY = 200, 32
-M3_SERVERS = ("m3-bf16", "m3-fp8")  # bf16; fp8 KV and index keys
+M3_SERVERS = ("m3-bf16", "m3-fp8", "m3-int4")  # bf16; fp8 KV and index keys; 4-bit index keys
 # which servers each feature test asks for (by test function, then parameter)
 FEATURE_NEEDS = {
     "test_dspark_lossless_on_gpu": lambda param: ("dspark-baseline", f"dspark-{param}"),
@@ -164,13 +164,14 @@ FEATURE_NEEDS = {
     "test_m3_tiny_matches_float64_reference": lambda param: M3_SERVERS,
     "test_m3_tiny_fp8_kv_and_index_keys": lambda param: M3_SERVERS,
     "test_m3_tiny_fp8_weights": lambda param: M3_SERVERS,
+    "test_m3_tiny_int4_index_keys": lambda param: M3_SERVERS,
 }
 
 
 def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
     """Every feature server: name -> (checkpoint, args, env)."""
     from test_disagg_serving import DECODE_ARGS
-    from test_m3_serving import ARGS, ENV  # ENV: sgl_atom.models, for M3 and the DSpark draft
+    from test_m3_serving import ARGS, ENV, INT4_TOPK  # ENV: sgl_atom.models, M3, DSpark draft
 
     from sgl_atom.speculative.dspark.algorithm import NAME
     from sgl_atom.testing.pd import prefill_args
@@ -178,6 +179,10 @@ def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
 
     target = tiny.build(cache_dir() / "tiny" / "llama-chain", "llama-chain")
     m3 = tiny.build(cache_dir() / "tiny" / "m3", "m3")
+    # the CPU e2e's 4-bit variant: top-3 of 5 blocks, so one block per step is picked by its
+    # 4-bit score
+    topk = {"sparse_topk_blocks": INT4_TOPK}
+    m3_int4 = tiny.m3_variant(m3, cache_dir() / "tiny" / f"m3-topk{INT4_TOPK}", topk)
     # decode lines every 4 steps: SGLang's default (40) logs none in 24 tokens
     m3_args = [*ARGS, "--max-total-tokens", "8192", "--decode-log-interval", "4"]
     jobs = {
@@ -189,6 +194,7 @@ def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
         "m3-bf16": (m3, m3_args, ENV),
         "m3-fp8": (m3, [*m3_args, "--kv-cache-dtype", "fp8_e4m3"], ENV),
         "m3-fp8w": (m3, [*m3_args, "--quantization", "fp8"], ENV),
+        "m3-int4": (m3_int4, m3_args, {**ENV, "SGL_ATOM_M3_INDEX_DTYPE": "int4"}),
     }  # fmt: skip
     for dtype in ("bf16", "fp8"):
         spec = [
@@ -315,15 +321,17 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
 @pytest.fixture(scope="module")
 def m3_gpu(feature_servers) -> dict[str, dict]:
     """The tiny ``m3`` checkpoint served by sgl_atom's M3 class at bf16 and fp8 KV (fp8 index
-    keys), side by side: teacher-forced log-probs of the CPU e2e's prompts, 24 greedy tokens
-    through the captured decode graphs, the server log."""
-    from test_m3_serving import DECODE_TOKENS, FP8_TOKENS, PROMPT_TOKENS
+    keys), and its top-3 variant with 4-bit index keys, side by side: teacher-forced log-probs
+    of the CPU e2e's prompts, 24 greedy tokens through the captured decode graphs, the server
+    log."""
+    from test_m3_serving import DECODE_TOKENS, FP8_TOKENS, INT4_TOKENS, PROMPT_TOKENS
     from transformers import AutoTokenizer
 
     model = tiny.build(cache_dir() / "tiny" / "m3", "m3")
     tok = AutoTokenizer.from_pretrained(model)
     text = " ".join(word_prompts(40, seed=3, min_words=20, max_words=40))
-    prompt = tok(text)["input_ids"][:PROMPT_TOKENS]
+    ids = tok(text)["input_ids"][:INT4_TOKENS]
+    prompt = ids[:PROMPT_TOKENS]
 
     def answer(name: str, ids: list[int]) -> dict:
         srv = feature_servers[name]
@@ -334,7 +342,7 @@ def m3_gpu(feature_servers) -> dict[str, dict]:
         finally:
             srv.stop()
 
-    runs = (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS]))
+    runs = (("m3-bf16", prompt), ("m3-fp8", prompt[:FP8_TOKENS]), ("m3-int4", ids))
     with ThreadPoolExecutor(len(runs)) as ex:
         futs = {n: ex.submit(answer, n, ids) for n, ids in runs}
         out: dict = {n: f.result() for n, f in futs.items()}
@@ -416,6 +424,39 @@ def test_m3_tiny_fp8_kv_and_index_keys(m3_gpu, report):
     assert err.mean() <= FP8_TOL_MEAN and bulk >= FP8_BULK_FRACTION
     assert err.max() <= FP8_TOL_MAX and vs_bf16.max() <= FP8_TOL_MAX
     assert not unexplained and len(far) <= ROUTE_TIE_SHARE * len(vs_bf16), far
+
+
+def test_m3_tiny_int4_index_keys(m3_gpu, report):
+    """SGL_ATOM_M3_INDEX_DTYPE=int4, top-3 of 5 blocks (the CPU e2e's 4-bit case): the index
+    cache is packed 4-bit, decode replays the graphs through the sparse path, and the log-probs
+    are within the CPU e2e's bounds of a float64 reference scoring from the same 4-bit keys,
+    closer to it than to the exact-key reference."""
+    import torch
+    from test_m3_serving import FP8_BULK_FRACTION, FP8_TOL_BULK, FP8_TOL_MAX, FP8_TOL_MEAN
+    from test_m3_serving import INT4_TOPK as topk
+
+    from m3_reference import M3Reference
+
+    run = m3_gpu["m3-int4"]
+    model = tiny.m3_variant(
+        m3_gpu["model"], cache_dir() / "tiny" / f"m3-topk{topk}", {"sparse_topk_blocks": topk}
+    )
+    ids = torch.tensor(run["prompt"])
+    got = torch_tensor(run["logprobs"])
+    err = (got - M3Reference.load(model, index_dtype="int4", topk_blocks=topk).logprobs(ids)).abs()
+    exact = (got - M3Reference.load(model, topk_blocks=topk).logprobs(ids)).abs()
+    bulk = (err <= FP8_TOL_BULK).double().mean().item()
+    report(
+        f"GPU m3 int4 index keys, top-{topk}, vs float64 reference over the same 4-bit keys "
+        f"({len(ids)} tokens): max |dlogp| {err.max():.4f}, mean {err.mean():.4f}, within "
+        f"{FP8_TOL_BULK}: {bulk:.1%}; vs the exact-key reference: max {exact.max():.4f}, mean "
+        f"{exact.mean():.4f}"
+    )
+    log = run["log"]
+    _m3_served_sparse(log)
+    assert re.search(r"sparse index cache: .*\[\d+ slots, 64\] int4 \(packed\)", log), log[-800:]
+    assert err.mean() <= FP8_TOL_MEAN and bulk >= FP8_BULK_FRACTION and err.max() <= FP8_TOL_MAX
+    assert err.mean() < exact.mean(), "the served selection does not follow the 4-bit scores"
 
 
 @pytest.fixture(scope="module")
