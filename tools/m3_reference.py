@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from sgl_atom.kernels.sparse_attention.index_reuse import should_score
 from sgl_atom.kernels.sparse_attention.reference import (
+    int4_query,
     reference_block_scores,
     reference_dense_attention,
     reference_index_write,
@@ -64,7 +65,7 @@ class M3Reference:
     weights: dict[str, torch.Tensor]
     sparse: SparseConfig
     dtype: torch.dtype = torch.float64
-    index_dtype: str | None = None  # "int4": score from the served 4-bit index keys' values
+    index_dtype: str | None = None  # "int4": score as the served 4-bit index keys and kernels do
 
     @classmethod
     def load(
@@ -163,8 +164,8 @@ class M3Reference:
         idim = sc.index_dim
         iq = self._heads(x, a + "index_q", sc.num_index_heads, idim)
         ik = self._heads(x, a + "index_k", 1, idim)[:, 0]
-        if self.index_dtype == "int4":
-            ik = int4_values(ik)
+        if self.index_dtype == "int4":  # keys as the cache holds them, q as the kernels round it
+            ik, iq = int4_values(ik), int4_query(iq)
         scores = reference_block_scores(iq, ik, table, lens, qo, 1, idim**-0.5, dtype=self.dtype)
         picked = reference_select_blocks(
             scores, lens, qo, sc.topk_blocks, sc.init_blocks, sc.local_blocks

@@ -8,6 +8,7 @@ from .index_reuse import TopkHolder, should_score
 from .index_write import index_write
 from .reference import (
     SPARSE_BLOCK,
+    int4_query,
     reference_block_scores,
     reference_dense_attention,
     reference_index_write,
@@ -23,6 +24,7 @@ __all__ = [
     "block_counts",
     "block_scores",
     "index_write",
+    "int4_query",
     "num_splits_for",
     "reference_block_counts",
     "reference_block_scores",

@@ -48,11 +48,16 @@ def block_score_kernel(
 
     SCALED: the keys carry a per-token fp32 scale (fp8, or INT4: packed 4-bit keys, ROW_W = half
     the index dim per row; the scores are the two halves' dots summed).
-    F16_DOT (fp8 or 4-bit cache, 16-bit q): the keys become fp16 (e4m3: one instruction per pair;
-    bf16 would take several; 4-bit: `int4_halves`) and q is multiplied by a power of two per row
-    so that its largest element lies in [2^14, 2^15) before rounding to fp16, which is then exact
-    for bf16 q (8-bit significand in fp16's 11) down to 2^-28 of the row's largest element; the
-    dot's fp32 result is scaled back."""
+    INT4: q is rounded per row to 8-bit integers on the power-of-two step that puts its largest
+    element in [64, 128) (the reference's `int4_query`), and the dots are integer MMAs over the
+    nibbles as stored (q + 8, one shift and mask per four keys, `_nibbles_asm`), less 8 * sum(q):
+    exact in int32, scaled back in fp32. Under the interpreter (F32_DOT) the same integers dot
+    in fp32, exactly.
+    F16_DOT (fp8 cache, 16-bit q): the keys become fp16 (e4m3: one instruction per pair; bf16
+    would take several) and q is multiplied by a power of two per row so that its largest
+    element lies in [2^14, 2^15) before rounding to fp16, which is then exact for bf16 q (8-bit
+    significand in fp16's 11) down to 2^-28 of the row's largest element; the dot's fp32 result
+    is scaled back."""
     blk0 = tl.program_id(0) * nb
     b = tl.program_id(2)
     seq_len = tl.load(SL + b)
@@ -85,12 +90,23 @@ def block_score_kernel(
             q_max = tl.maximum(q_max, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
         else:
             q2 = q
-        if F16_DOT:
-            ebits = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-            ebits = tl.minimum(tl.maximum(ebits, 15), 254)  # biased exponent of the row max
+        ebits = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the max
+        corr = tl.zeros([BLOCK_M], tl.int32)
+        if INT4:  # q as 8-bit integers on a power-of-two step: the row max in [64, 128)
+            ebits = tl.minimum(tl.maximum(ebits, 7), 254)
+            up = ((260 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]
+            q = tl.minimum(tl.floor(q.to(tl.float32) * up + 0.5), 127.0)
+            q2 = tl.minimum(tl.floor(q2.to(tl.float32) * up + 0.5), 127.0)
+            row_scale = ((ebits - 6) << 23).to(tl.float32, bitcast=True) * scale
+            if not F32_DOT:  # the nibbles enter the dot as q + 8: 8 * sum(q) comes off
+                q = q.to(tl.int8)
+                q2 = q2.to(tl.int8)
+                corr = 8 * (tl.sum(q.to(tl.int32), axis=1) + tl.sum(q2.to(tl.int32), axis=1))
+        elif F16_DOT:
+            ebits = tl.minimum(tl.maximum(ebits, 15), 254)
             up = ((268 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]
             q = (q.to(tl.float32) * up).to(tl.float16)
-            q2 = (q2.to(tl.float32) * up).to(tl.float16)
+            q2 = q
             row_scale = ((ebits - 14) << 23).to(tl.float32, bitcast=True) * scale
         else:
             row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * scale
@@ -116,13 +132,16 @@ def block_score_kernel(
                 other=0.0,
             )
             if INT4:  # dims [0, half) from the low nibbles, [half, dim) from the high ones
-                k_lo, k_hi = int4_halves(k, F32_DOT)
-                if F32_DOT:
+                if F32_DOT:  # the interpreter: nibble - 8 as fp32, exact integer dots
+                    b32 = k.to(tl.int32)
+                    k_lo = ((b32 & 15) - 8).to(tl.float32)
+                    k_hi = ((b32 >> 4) - 8).to(tl.float32)
                     s = tl.dot(q, tl.trans(k_lo), input_precision="ieee")
                     s += tl.dot(q2, tl.trans(k_hi), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k_lo))
-                    s += tl.dot(q2, tl.trans(k_hi))
+                else:  # integer dots over the nibbles as they are (q + 8), exact in int32
+                    acc = tl.dot(q, tl.trans(_nibbles_asm(k, "0")), out_dtype=tl.int32)
+                    acc = tl.dot(q2, tl.trans(_nibbles_asm(k, "4")), acc, out_dtype=tl.int32)
+                    s = (acc - corr[:, None]).to(tl.float32)
             else:
                 k = k.to(q.dtype)  # fp32 (F32_DOT), fp16 (F16_DOT) or q's 16-bit type
                 if F32_DOT:
@@ -137,45 +156,24 @@ def block_score_kernel(
             tl.store(out + blk, m, mask=row_ok & (blk * SBLOCK <= pos))
 
 
+# four key bytes in, four int8 out: each byte's low (SHIFT "0") or high ("4") nibble, as it is
+# stored (q + 8, in [1, 15]); one 32-bit shift and mask per four keys, where Triton's own uint8
+# operations would take each byte apart
 @triton.jit
-def int4_halves(k, F32: tl.constexpr):
-    """Packed 4-bit key bytes -> (low nibbles, high nibbles) as their q values in [-8, 7]: fp32
-    with F32 (integer operations, as Triton's interpreter runs them), else fp16 through
-    `_nibbles_to_f16_asm` (exact: small integers)."""
-    if F32:  # one return for both branches: Triton's compiler refuses differing return types
-        b = k.to(tl.int32)
-        lo = ((b & 15) - 8).to(tl.float32)
-        hi = ((b >> 4) - 8).to(tl.float32)
-    else:
-        lo = _nibbles_to_f16_asm(k, "0")
-        hi = _nibbles_to_f16_asm(k, "4")
-    return lo, hi
-
-
-# four bytes in, two fp16x2 words out: each byte's nibble (SHIFT "0": low, "4": high) becomes the
-# low byte of a half whose high byte is 0x64 (prmt), i.e. the fp16 1024 + nibble, and 1032 is
-# taken off (sub.f16x2): nibble - 8, exactly. Five integer/half2 operations per four keys, where
-# Triton's own uint8 -> fp16 conversion is one slow I2F per key.
-@triton.jit
-def _nibbles_to_f16_asm(k, SHIFT: tl.constexpr):
+def _nibbles_asm(k, SHIFT: tl.constexpr):
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 t, c;
-        shr.b32 t, $2, """
+        .reg .b32 t;
+        shr.b32 t, $1, """
         + SHIFT
         + """;
-        and.b32 t, t, 0x0F0F0F0F;
-        mov.b32 c, 0x64086408;
-        prmt.b32 $0, t, 0x64646464, 0x5140;
-        prmt.b32 $1, t, 0x64646464, 0x7362;
-        sub.rn.f16x2 $0, $0, c;
-        sub.rn.f16x2 $1, $1, c;
+        and.b32 $0, t, 0x0F0F0F0F;
         }
         """,
-        constraints="=r,=r,r",
+        constraints="=r,r",
         args=[k],
-        dtype=tl.float16,
+        dtype=tl.int8,
         is_pure=True,
         pack=4,
     )
@@ -353,7 +351,7 @@ def block_scores(
         KV_HEADS=kv_heads,
         INDEX_DIM=index_dim,
         ROW_W=row_w,
-        BLOCK_D=next_pow2(row_w),
+        BLOCK_D=max(32, next_pow2(row_w)) if int4 else next_pow2(row_w),  # int8 MMA: k = 32
         PAGE=page_size,
         SBLOCK=SPARSE_BLOCK,
         BLOCK_M=block_m,
@@ -361,9 +359,7 @@ def block_scores(
         SCALED=fp8 or int4,
         INT4=int4,
         F32_DOT=f32_dot(index_q),
-        # 4-bit keys always dot in fp16 off an fp32 q (their only GPU conversion); on CPU the
-        # q scaling runs too, under the fp32 dots
-        F16_DOT=index_q.dtype != torch.float32 and (int4 or (f16 and fp8)),
+        F16_DOT=index_q.dtype != torch.float32 and f16 and fp8,
         STAGES=stages,
         num_warps=warps,
     )

@@ -50,6 +50,17 @@ def unpack_int4(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return torch.cat([(b & 15) - 8, (b >> 4) - 8], -1).to(dtype)
 
 
+def int4_query(q: torch.Tensor) -> torch.Tensor:
+    """Index q rows [..., index_dim] as the scoring kernels dot them with a packed 4-bit cache:
+    each row rounded to 8-bit integers (``floor(x / step + 0.5)``, at most 127) on the
+    power-of-two step that puts the row's largest magnitude in [64, 128), returned as integer *
+    step in q's dtype. The step's exponent is clamped to [-126, 121], as the kernel's fp32 bits."""
+    amax = q.abs().amax(-1, keepdim=True).to(torch.float32).double()
+    exp = (torch.frexp(amax).exponent - 1).clamp(-120, 127)  # amax in [2^exp, 2^(exp + 1))
+    step = torch.pow(2.0, (exp - 6).double())
+    return (torch.floor(q.double() / step + 0.5).clamp(max=127.0) * step).to(q.dtype)
+
+
 def _rows(cache, scale, slots, dtype) -> torch.Tensor:
     rows = unpack_int4(cache[slots], dtype) if is_int4(cache.dtype) else cache[slots].to(dtype)
     if scaled_index(cache.dtype):
@@ -77,7 +88,10 @@ def reference_block_scores(
     dtype=torch.float64,
 ) -> torch.Tensor:
     """Block scores [total_q, kv_heads, max_blocks]: max over visible positions of the block of
-    index_q[t, h] · index_k[p] * scale; -inf for blocks with no visible position."""
+    index_q[t, h] · index_k[p] * scale; -inf for blocks with no visible position. Against a
+    packed 4-bit cache q is rounded as the kernels round it (``int4_query``)."""
+    if is_int4(index_cache.dtype):
+        index_q = int4_query(index_q.to(dtype))
     max_blocks = -(-int(seq_lens.max()) // SPARSE_BLOCK)
     out = torch.full((*index_q.shape[:2], max_blocks), float("-inf"), dtype=dtype)
     for b, lo, hi, n, qpos in _sequences(seq_lens.cpu(), qo_indptr.cpu()):

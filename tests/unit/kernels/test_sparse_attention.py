@@ -480,3 +480,23 @@ def test_block_counts_add_one_layer_step(decode, batch):
             None if qo is None else qo.to(torch.int32).to(device()),
         )
         assert counters.cpu().tolist() == want.tolist(), fn.__name__
+
+
+def test_int4_query_rounds_each_row_to_8_bit_on_a_power_of_two_step():
+    """The q rounding the 4-bit scoring uses: integers in [-128, 127] on a power-of-two step,
+    the row's largest magnitude at 64-127 steps, half a step at most from q (the largest element
+    may be clamped to 127 steps), zero rows staying zero."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q = torch.randn(6, 3, 40, generator=gen, dtype=torch.float64)
+    q = q * torch.logspace(-30, 30, 6, dtype=torch.float64)[:, None, None]
+    q[0, 0] = 0.0
+    got = sa.int4_query(q)
+    amax = q.abs().amax(-1, keepdim=True)
+    step = torch.pow(2.0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 6)
+    ints = got / step
+    assert torch.equal(ints, ints.round()) and ints.max() <= 127 and ints.min() >= -128
+    assert ((got.abs().amax(-1, keepdim=True) / step)[1:] >= 64).all()
+    step = step.expand_as(q)
+    err, clamped = (got - q).abs(), q / step >= 127.5
+    assert (err[~clamped] <= step[~clamped] / 2).all() and (err[clamped] <= step[clamped]).all()
+    assert got[0, 0].eq(0).all()
