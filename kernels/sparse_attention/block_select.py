@@ -41,6 +41,7 @@ def block_score_kernel(
     INT4: tl.constexpr,
     F32_DOT: tl.constexpr,
     F16_DOT: tl.constexpr,
+    I8_DOT: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """Program (run of `nb` blocks, row tile, sequence): rows are (token, KV head) pairs of one
@@ -49,10 +50,11 @@ def block_score_kernel(
     SCALED: the keys carry a per-token fp32 scale (fp8, or INT4: packed 4-bit keys, ROW_W = half
     the index dim per row; the scores are the two halves' dots summed).
     INT4: q is rounded per row to 8-bit integers on the power-of-two step that puts its largest
-    element in [64, 128) (the reference's `int4_query`), and the dots are integer MMAs over the
-    nibbles as stored (q + 8, one shift and mask per four keys, `_nibbles_asm`), less 8 * sum(q):
-    exact in int32, scaled back in fp32. Under the interpreter (F32_DOT) the same integers dot
-    in fp32, exactly.
+    element in [64, 128) (the reference's `int4_query`), and the integers are dotted exactly, so
+    every path gives the same scores: fp16 dots with the nibbles made fp16 (nibble - 8,
+    `_nibbles_to_f16_asm`; products and sums are integers below 2^24); with I8_DOT integer MMAs
+    over the nibbles as stored (q + 8, one shift and mask per four keys, `_nibbles_asm`) less
+    8 * sum(q); under the interpreter (F32_DOT) fp32 dots.
     F16_DOT (fp8 cache, 16-bit q): the keys become fp16 (e4m3: one instruction per pair; bf16
     would take several) and q is multiplied by a power of two per row so that its largest
     element lies in [2^14, 2^15) before rounding to fp16, which is then exact for bf16 q (8-bit
@@ -98,10 +100,13 @@ def block_score_kernel(
             q = tl.minimum(tl.floor(q.to(tl.float32) * up + 0.5), 127.0)
             q2 = tl.minimum(tl.floor(q2.to(tl.float32) * up + 0.5), 127.0)
             row_scale = ((ebits - 6) << 23).to(tl.float32, bitcast=True) * scale
-            if not F32_DOT:  # the nibbles enter the dot as q + 8: 8 * sum(q) comes off
+            if I8_DOT:  # the nibbles enter the dot as q + 8: 8 * sum(q) comes off
                 q = q.to(tl.int8)
                 q2 = q2.to(tl.int8)
                 corr = 8 * (tl.sum(q.to(tl.int32), axis=1) + tl.sum(q2.to(tl.int32), axis=1))
+            elif not F32_DOT:
+                q = q.to(tl.float16)
+                q2 = q2.to(tl.float16)
         elif F16_DOT:
             ebits = tl.minimum(tl.maximum(ebits, 15), 254)
             up = ((268 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]
@@ -138,10 +143,13 @@ def block_score_kernel(
                     k_hi = ((b32 >> 4) - 8).to(tl.float32)
                     s = tl.dot(q, tl.trans(k_lo), input_precision="ieee")
                     s += tl.dot(q2, tl.trans(k_hi), input_precision="ieee")
-                else:  # integer dots over the nibbles as they are (q + 8), exact in int32
+                elif I8_DOT:  # integer dots over the nibbles as they are (q + 8), exact in int32
                     acc = tl.dot(q, tl.trans(_nibbles_asm(k, "0")), out_dtype=tl.int32)
                     acc = tl.dot(q2, tl.trans(_nibbles_asm(k, "4")), acc, out_dtype=tl.int32)
                     s = (acc - corr[:, None]).to(tl.float32)
+                else:  # fp16 dots of the same integers (nibble - 8), exact in fp32
+                    s = tl.dot(q, tl.trans(_nibbles_to_f16_asm(k, "0")))
+                    s += tl.dot(q2, tl.trans(_nibbles_to_f16_asm(k, "4")))
             else:
                 k = k.to(q.dtype)  # fp32 (F32_DOT), fp16 (F16_DOT) or q's 16-bit type
                 if F32_DOT:
@@ -174,6 +182,35 @@ def _nibbles_asm(k, SHIFT: tl.constexpr):
         constraints="=r,r",
         args=[k],
         dtype=tl.int8,
+        is_pure=True,
+        pack=4,
+    )
+
+
+# four bytes in, two fp16x2 words out: each byte's nibble (SHIFT "0": low, "4": high) becomes the
+# low byte of a half whose high byte is 0x64 (prmt), i.e. the fp16 1024 + nibble, and 1032 is
+# taken off (sub.f16x2): nibble - 8, exactly. Five integer/half2 operations per four keys, where
+# Triton's own uint8 -> fp16 conversion is one slow I2F per key.
+@triton.jit
+def _nibbles_to_f16_asm(k, SHIFT: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, c;
+        shr.b32 t, $2, """
+        + SHIFT
+        + """;
+        and.b32 t, t, 0x0F0F0F0F;
+        mov.b32 c, 0x64086408;
+        prmt.b32 $0, t, 0x64646464, 0x5140;
+        prmt.b32 $1, t, 0x64646464, 0x7362;
+        sub.rn.f16x2 $0, $0, c;
+        sub.rn.f16x2 $1, $1, c;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[k],
+        dtype=tl.float16,
         is_pure=True,
         pack=4,
     )
@@ -243,6 +280,10 @@ def topk_select_kernel(
 # Scoring kernel (pipeline stages, warps, fp16 dots for an fp8 cache): H200 sweep in
 # benchmarks/results/tune_sparse_scoring.log.
 SCORE_CONFIG = (2, 4, True)
+# The dots of a 4-bit cache on a GPU: "f16" (the nibbles made fp16; measured on the H200,
+# sparse_attention.md) or "i8" (integer MMAs over the nibbles as stored; same scores, compared
+# by benchmarks/probe_int4_scoring.py). Read at each launch.
+INT4_DOT = "f16"
 
 
 def blocks_per_program_for(max_blocks: int, rows: int, device: torch.device) -> int:
@@ -313,6 +354,8 @@ def block_scores(
     (pipeline stages, num_warps, fp16 dots for an fp8 cache) of the scoring kernel, default
     `SCORE_CONFIG`."""
     _check(index_q, index_cache, page_table, seq_lens, qo_indptr, index_scale, 1, 0, 0)
+    if INT4_DOT not in ("f16", "i8"):
+        raise ValueError(f"block_select.INT4_DOT is {INT4_DOT!r}; give 'f16' or 'i8'")
     total_q, kv_heads, index_dim = index_q.shape
     max_seq_len = page_table.shape[1] * page_size if max_seq_len is None else max_seq_len
     max_blocks = triton.cdiv(max_seq_len, SPARSE_BLOCK)
@@ -351,7 +394,7 @@ def block_scores(
         KV_HEADS=kv_heads,
         INDEX_DIM=index_dim,
         ROW_W=row_w,
-        BLOCK_D=max(32, next_pow2(row_w)) if int4 else next_pow2(row_w),  # int8 MMA: k = 32
+        BLOCK_D=max(32, next_pow2(row_w)) if int4 else next_pow2(row_w),  # int8 MMA: k >= 32
         PAGE=page_size,
         SBLOCK=SPARSE_BLOCK,
         BLOCK_M=block_m,
@@ -360,6 +403,7 @@ def block_scores(
         INT4=int4,
         F32_DOT=f32_dot(index_q),
         F16_DOT=index_q.dtype != torch.float32 and f16 and fp8,
+        I8_DOT=int4 and not f32_dot(index_q) and INT4_DOT == "i8",
         STAGES=stages,
         num_warps=warps,
     )

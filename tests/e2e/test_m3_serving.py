@@ -35,9 +35,10 @@ PROMPT_TOKENS = 420
 # the selection depends on the 4-bit scores (the tiny model's own top-2 is init + local only).
 # Measured (CPU, 2026-12-04) against a float64 reference scoring from the same 4-bit keys (and
 # q rounded to 8 bits as the kernels round it): mean |dlogp| 0.005, 97.5% within 0.03, max 0.09;
-# against the exact-key reference: mean 0.007, max 0.16. A key computed in bf16 by the server can round to the next 4-bit step where float64's
-# does not (a step is amax / 7), so near-tied blocks can swap: the fp8 bounds apply, and the
-# served log-probs must be closer to the 4-bit reference than to the exact-key one.
+# against the exact-key reference: mean 0.007, max 0.16. A key computed in bf16 by the server
+# can round to the next 4-bit step where float64's does not (a step is amax / 7), so near-tied
+# blocks can swap: the fp8 bounds apply, and the served log-probs must be closer to the 4-bit
+# reference than to the exact-key one.
 INT4_TOKENS, INT4_TOPK = 600, 3
 # bf16 server vs float64 reference. Nearly every position agrees to ~1e-2; a token whose
 # expert routing is a near-tie (top-2 vs third score within ~1e-3) can pick another expert

@@ -54,11 +54,18 @@ def test_gpu_index_write_int4():
     _u.test_index_write_int4()
 
 
-@pytest.mark.parametrize("index", ["bf16", "fp8", "int4"])
+def _int4_dots(index: str, monkeypatch) -> dict:
+    """make_case flags for `index`; "int4-i8": the 4-bit cache scored by integer MMAs."""
+    if index == "int4-i8":
+        monkeypatch.setattr(sa.block_select, "INT4_DOT", "i8")
+    return dict(index_fp8=index == "fp8", index_int4=index.startswith("int4"))
+
+
+@pytest.mark.parametrize("index", ["bf16", "fp8", "int4", "int4-i8"])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("mode", list(MODES))
-def test_gpu_scores(mode, page_size, index):
-    kw = dict(index_fp8=index == "fp8", index_int4=index == "int4")
+def test_gpu_scores(mode, page_size, index, monkeypatch):
+    kw = _int4_dots(index, monkeypatch)
     c = case(mode, page_size, dtype=torch.bfloat16, seed=page_size, **kw)
     scores = sa.block_scores(
         c.iq,
@@ -86,12 +93,13 @@ def test_gpu_scores(mode, page_size, index):
     assert_close_rel(scores.cpu()[..., : ref.shape[2]][vis], ref[vis], 1e-5, "block scores")
 
 
-@pytest.mark.parametrize("index", ["fp8", "int4"])
+@pytest.mark.parametrize("index", ["fp8", "int4", "int4-i8"])
 @pytest.mark.parametrize("magnitude", [1e-7, 1e7], ids=lambda m: f"q{m:g}")
 @pytest.mark.parametrize("nb", [1, 4])
-def test_gpu_scores_scaled_q_magnitude(nb, magnitude, index):
-    """fp16 dots for an fp8 or 4-bit cache: q far outside fp16's range still scores exactly."""
-    kw = dict(index_fp8=index == "fp8", index_int4=index == "int4")
+def test_gpu_scores_scaled_q_magnitude(nb, magnitude, index, monkeypatch):
+    """fp16 or integer dots for an fp8 or 4-bit cache: q far outside fp16's range still scores
+    exactly (as the reference rounds it for the 4-bit cache)."""
+    kw = _int4_dots(index, monkeypatch)
     c = case("decode", 128, dtype=torch.bfloat16, seed=5, **kw)
     c.iq.mul_(magnitude)
     c.iq[-1, -1] = 0.0
