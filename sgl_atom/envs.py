@@ -80,8 +80,8 @@ SGL_ATOM_M3_INDEX_DTYPE = EnvVar(
     "atom backend, sparse (MiniMax-M3-style) models: dtype of the index-key cache, 'auto' (fp8 "
     "under fp8 KV, else bf16), 'bf16', 'fp8' (e4m3 with one scale per token: half the bytes "
     "the block scoring reads, under bf16 KV too) or 'int4' (packed 4-bit keys with one scale "
-    "per token: a quarter of bf16's bytes; a coarser score, so the selection can differ from "
-    "fp8's near the top-k cut).",
+    "per token: a quarter of bf16's bytes, scored against q rounded to 8-bit integers; a "
+    "coarser score, so the selection can differ from fp8's near the top-k cut).",
 )
 SGL_ATOM_DECODE_TUNING = EnvVar(
     "SGL_ATOM_DECODE_TUNING",

@@ -308,12 +308,12 @@ def _check(
     assert (
         index_q.dim() == 3 and index_q.stride(2) == 1 and index_q.stride(1) == index_q.shape[2]
     ), "index_q must be [tokens, kv_heads, index_dim] with contiguous (head, dim)"
-    width = index_q.shape[2] // 2 if is_int4(index_cache.dtype) else index_q.shape[2]
+    per_byte = 2 if is_int4(index_cache.dtype) else 1  # dims per cache element
+    width = index_q.shape[2] // per_byte
     assert (
         index_cache.is_contiguous()
         and index_cache.dim() == 2
-        and index_cache.shape[1] == width
-        and index_q.shape[2] % (2 if is_int4(index_cache.dtype) else 1) == 0
+        and index_cache.shape[1] * per_byte == index_q.shape[2]
     ), f"index_cache must be [num_slots, {width}] contiguous"
     assert page_table.dtype == torch.int32 and page_table.stride(1) == 1, (
         "page_table: [batch, max_pages] int32"
