@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh all|kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
+#   bash benchmarks/gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
 # Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
 # GPU_CALL_UNTIL (epoch seconds, e.g. $(( $(date +%s) + 580 )) set once at the call's start) caps
 # each mode's main command so that it ends UNTIL_MARGIN s (default 15) before then: the servers'
 # log tails and the pack still run. An outer `timeout` would kill them with the mode.
-# kernels, tune-decode, tune-verify, tune-kernels and ncu-decode need torch and Triton only: they
-# run on part 1 alone (the first call of the two-call routine).
+# kernels, tune-decode, tune-verify, tune-kernels, ncu-decode and sparse-scoring need torch and
+# Triton only: they run on part 1 alone (the first call of the two-call routine), or with no
+# bundle at all.
 # tune-kernels writes the measured decode tuning to
 # $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
 # calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json. It then writes the kernel's
@@ -20,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: gpu_call.sh WHAT [args]}; shift
 case "$what" in
-  kernels|tune-decode|tune-verify|tune-kernels|ncu-decode)
+  kernels|tune-decode|tune-verify|tune-kernels|ncu-decode|sparse-scoring)
     # shellcheck disable=SC1091
     source "${GPU_BUNDLE:-.gpu}/device-env.sh" || {
       echo "gpu_call: SGLang bundle incomplete; $what needs torch and Triton only"
@@ -106,10 +107,16 @@ case "$what" in
     python3 benchmarks/profile_decode.py --summarize /tmp/decode_bf16_sass.csv \
       /tmp/decode_fp8_sass.csv > "$OUT/ncu_decode_summary.txt" 2>&1
     tail -n 40 "$OUT"/ncu_decode_summary.txt ;;
+  sparse-scoring) # the sparse kernel tests (both 4-bit dot paths), the 4-bit scoring probe, then
+                  # the sparse benchmark at the kernel target's context
+    python3 -m pytest -q tests/gpu/test_sparse_kernels.py 2>&1 | tee "$OUT/sparse_attention_gpu_tests.log"
+    (cd benchmarks && capped 240 python3 probe_int4_scoring.py) 2>&1 | tee "$OUT/probe_int4_scoring.log"
+    (cd benchmarks && capped 300 python3 bench_sparse_attention.py --out "$OUT" --contexts 131072 "$@") \
+      2>&1 | tee "$OUT/sparse_attention.log" ;;
   pack) pack_out ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1 or not)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   tune-verify) python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
 esac
