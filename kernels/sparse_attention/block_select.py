@@ -156,11 +156,10 @@ def block_score_kernel(
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
-            s = s * row_scale[:, None]
             if SCALED:
                 s = s * tl.load(IKS + slot, mask=p_ok, other=0.0)[None, :]
             s = tl.where(p[None, :] <= pos[:, None], s, float("-inf"))
-            m = tl.max(s, axis=1)
+            m = tl.max(s, axis=1) * row_scale  # row_scale > 0: after the max, once per row
             tl.store(out + blk, m, mask=row_ok & (blk * SBLOCK <= pos))
 
 
@@ -354,6 +353,8 @@ def block_scores(
     (pipeline stages, num_warps, fp16 dots for an fp8 cache) of the scoring kernel, default
     `SCORE_CONFIG`."""
     _check(index_q, index_cache, page_table, seq_lens, qo_indptr, index_scale, 1, 0, 0)
+    if not scale > 0:  # the kernel scales each row's max, not each score
+        raise ValueError(f"block_scores: scale must be positive, got {scale}")
     if INT4_DOT not in ("f16", "i8"):
         raise ValueError(f"block_select.INT4_DOT is {INT4_DOT!r}; give 'f16' or 'i8'")
     total_q, kv_heads, index_dim = index_q.shape
@@ -436,7 +437,7 @@ def select_blocks(
       [num_slots, index_dim / 2] uint8 (`index_write`'s layout); index_scale: [num_slots] fp32
       (fp8 and 4-bit only). Block b of a sequence = positions [128b, 128b + 128) through page_table.
     page_table: [batch, max_pages] int32; seq_lens: [batch] int32 (new tokens included).
-    page_size: 1, 16, 64 or 128 (any positive size works). scale: multiplies q·k.
+    page_size: 1, 16, 64 or 128 (any positive size works). scale: multiplies q·k (positive).
     qo_indptr: [batch + 1] int32 for extend/prefill/verify (new token i of b at position
       seq_len - qo_len + i); None for decode (one token per sequence, at seq_len - 1).
     max_qo_len: longest qo_len (1 for decode); max_seq_len: bound on seq_lens (default page

@@ -500,3 +500,12 @@ def test_int4_query_rounds_each_row_to_8_bit_on_a_power_of_two_step():
     err, clamped = (got - q).abs(), q / step >= 127.5
     assert (err[~clamped] <= step[~clamped] / 2).all() and (err[clamped] <= step[clamped]).all()
     assert got[0, 0].eq(0).all()
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+def test_block_scores_refuse_a_scale_that_is_not_positive(scale):
+    """The kernel scales each row's block maximum, not each score: a non-positive scale would
+    turn the maximum into the minimum, so it is refused before any launch."""
+    c = mode_case("decode", 16, seed=2)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        sa.block_scores(c.iq, c.ik, c.page_table, c.seq_lens, 16, scale)
