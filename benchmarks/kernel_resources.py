@@ -86,16 +86,20 @@ def kv_buffers(ttgir: str, block_n: int) -> int:
     return max(map(int, found), default=0)
 
 
-def sass_instructions(cubin: bytes) -> int:
-    """Instructions in the kernel's SASS (cuobjdump), both loops and the prologue: a static
-    proxy for the issue-bound fp8 kernel's work per key at equal block_n."""
+def sass_text(cubin: bytes) -> str:
+    """The kernel's SASS listing (Triton's bundled cuobjdump)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         cmd = [os.path.join(BIN, "cuobjdump"), "-sass", path]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", out, flags=re.M))
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def sass_instructions(cubin: bytes) -> int:
+    """Instructions in the kernel's SASS (cuobjdump), both loops and the prologue: a static
+    proxy for the issue-bound fp8 kernel's work per key at equal block_n."""
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass_text(cubin), flags=re.M))
 
 
 def ptxas_report(ptx: str) -> tuple[int, int]:

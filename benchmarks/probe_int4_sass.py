@@ -18,14 +18,12 @@ from __future__ import annotations
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton  # noqa: E402
 from common import format_table, import_kernels  # noqa: E402
-from kernel_resources import BIN, ptxas_report  # noqa: E402
+from kernel_resources import ptxas_report, sass_text  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -59,12 +57,7 @@ def compile_score(index: str, dots: str, warps: int = 4, stages: int = 2):
 def sass(cubin: bytes) -> tuple[collections.Counter, collections.Counter]:
     """Opcode counts of the whole kernel and of its block loop (the longest backward branch's
     span: one 128-key block per iteration)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        cmd = [os.path.join(BIN, "cuobjdump"), "-sass", path]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = sass_text(cubin)
     code = re.findall(
         r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", out, re.M
     )
