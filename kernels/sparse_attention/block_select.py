@@ -90,10 +90,7 @@ def block_score_kernel(
         if INT4:
             q2 = tl.load(q_ptr + ROW_W, mask=q_mask, other=0.0)
             q_max = tl.maximum(q_max, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
-        else:
-            q2 = q
         ebits = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the max
-        corr = tl.zeros([BLOCK_M], tl.int32)
         if INT4:  # q as 8-bit integers on a power-of-two step: the row max in [64, 128)
             ebits = tl.minimum(tl.maximum(ebits, 7), 254)
             up = ((260 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]
@@ -111,13 +108,11 @@ def block_score_kernel(
             ebits = tl.minimum(tl.maximum(ebits, 15), 254)
             up = ((268 - ebits) << 23).to(tl.float32, bitcast=True)[:, None]
             q = (q.to(tl.float32) * up).to(tl.float16)
-            q2 = q
             row_scale = ((ebits - 14) << 23).to(tl.float32, bitcast=True) * scale
         else:
             row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * scale
-        if F32_DOT:
+        if F32_DOT:  # (4-bit: already fp32 integers)
             q = q.to(tl.float32)
-            q2 = q2.to(tl.float32)
         out = S + (q_start + tok).to(tl.int64) * stride_st + (rows % KV_HEADS) * stride_sh
         nblk = tl.minimum(nb, max_pos // SBLOCK + 1 - blk0)
         pt_row = PT + b.to(tl.int64) * stride_pt
@@ -371,6 +366,7 @@ def block_scores(
     )
     block_m = max(16, min(64, next_pow2(max_qo_len * kv_heads)))
     fp8, int4 = is_fp8(index_cache.dtype), is_int4(index_cache.dtype)
+    scaled = scaled_index(index_cache.dtype)
     row_w = index_cache.shape[1]
     row_tiles = triton.cdiv(max_qo_len * kv_heads, block_m)
     nb = blocks_per_program or blocks_per_program_for(
@@ -381,7 +377,7 @@ def block_scores(
     block_score_kernel[grid](
         index_q,
         index_cache,
-        index_scale if fp8 or int4 else index_cache,
+        index_scale if scaled else index_cache,
         page_table,
         seq_lens,
         seq_lens if qo_indptr is None else qo_indptr,
@@ -400,7 +396,7 @@ def block_scores(
         SBLOCK=SPARSE_BLOCK,
         BLOCK_M=block_m,
         DECODE=qo_indptr is None,
-        SCALED=fp8 or int4,
+        SCALED=scaled,
         INT4=int4,
         F32_DOT=f32_dot(index_q),
         F16_DOT=index_q.dtype != torch.float32 and f16 and fp8,
