@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +39,48 @@ class ServerStartError(RuntimeError):
         self.process = process
 
 
+# ports handed out by free_port in this process, each promised to one socket-to-be
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+# free_port's range: under the kernel's ephemeral range (where bind to port 0 and outgoing
+# connections take theirs) and under SGLang's own pick for its NCCL port (22000-29999)
+FREE_PORT_RANGE = (12000, 21999)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a process started later to bind; never the same
+    port twice in one process.
+
+    The port is released before its owner binds it, so it is taken where no other socket of
+    a server starting alongside can land in between: not from the ephemeral range, where
+    every ``bind(0)`` (gloo, ZMQ, a transfer engine) and outgoing connection of those servers
+    takes its port, and not from SGLang's NCCL-port range."""
+    low, high = FREE_PORT_RANGE
+    high = min(high, _ephemeral_low() - 1)
+    with _HANDED_OUT_LOCK:
+        for port in random.sample(range(low, high + 1), min(256, max(0, high - low + 1))):
+            if port in _HANDED_OUT:
+                continue
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _HANDED_OUT.add(port)
+            return port
+        # a machine whose ephemeral range starts low: the kernel's pick, as a last resort
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
 
 
 def plugins_without_sgl_atom() -> str:

@@ -219,3 +219,33 @@ def test_a_server_that_cannot_bind_its_port_fails_at_once_and_is_stopped():
     finally:
         proc.stop()
         holder.close()
+
+
+def test_free_ports_are_distinct_and_outside_the_ranges_other_sockets_take(monkeypatch):
+    """Ports handed out for servers started side by side: each bindable, none twice, none
+    where a bind to port 0 or SGLang's NCCL-port pick could take it first; a port another
+    process holds is passed over."""
+    import socket
+
+    from sgl_atom.testing import server
+
+    ephemeral_low = server._ephemeral_low()
+    held = []
+    try:
+        ports = [free_port() for _ in range(64)]
+        assert len(set(ports)) == len(ports)
+        for port in ports:
+            assert port < ephemeral_low and not 22000 <= port <= 29999
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            held.append(s)
+        # a two-port range whose first port is held elsewhere (not handed out): the second
+        low = next(p for p in range(20000, 21990, 2) if not {p, p + 1} & server._HANDED_OUT)
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", low))
+        held.append(holder)
+        monkeypatch.setattr(server, "FREE_PORT_RANGE", (low, low + 1))
+        assert free_port() == low + 1
+    finally:
+        for s in held:
+            s.close()
