@@ -5,7 +5,8 @@
 
 Shapes: 64 q / 8 KV heads (GQA 8:1), head_dim 128, index_dim 128, page 128, top-16 blocks of
 128 tokens (1 init + 1 local), contexts 32K and 128K, batch 1..64; index keys bf16, fp8 and
-packed 4-bit (`--index`). The sparse step is
+packed 4-bit (`--index`; "int4" scores with fp16 dots, "int4-i8" the same cache with integer
+MMAs: `block_select.INT4_DOT`). The sparse step is
 select_blocks (scores + top-k) + sparse_attention_fwd; the baseline is the dense
 `paged_attention.decode_fwd` over the whole context. Timing: CUDA-graph replay medians; problems
 whose bytes fit in L2 are repeated over disjoint pages in one replay (time divided by the count).
@@ -29,7 +30,12 @@ L2_SPAN = 192 << 20  # repeat a problem until this many bytes are touched per re
 
 
 # bytes per token of each index cache (fp8 and 4-bit: a 4-byte scale beside the keys)
-INDEX_BYTES = {"bf16": 2 * DI, "fp8": DI + 4, "int4": DI // 2 + 4}
+INDEX_BYTES = {"bf16": 2 * DI, "fp8": DI + 4, "int4": DI // 2 + 4, "int4-i8": DI // 2 + 4}
+
+
+def use_dots(index: str) -> None:
+    """The 4-bit dot path that `index` names ("int4-i8": integer MMAs, else fp16 dots)."""
+    sa.block_select.INT4_DOT = "i8" if index == "int4-i8" else "f16"
 
 
 class Pool:
@@ -53,7 +59,7 @@ class Pool:
 
     def index(self, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         caches = {"bf16": (self.ik, None), "fp8": (self.ik8, self.iks)}
-        return {**caches, "int4": (self.ik4, self.ik4s)}[kind]
+        return {**caches, "int4": (self.ik4, self.ik4s), "int4-i8": (self.ik4, self.ik4s)}[kind]
 
 
 def tables(pool: Pool, batch: int, ctx: int, reps: int) -> list[torch.Tensor]:
@@ -69,6 +75,7 @@ def measure(
     """Timings of one shape; cfg[index] = (blocks per scoring program or None for the library's
     choice, scoring config (stages, warps, fp16 dots) or None for its default)."""
     nb, score_cfg = cfg[index]
+    use_dots(index)
     sparse_bytes = batch * (ctx * INDEX_BYTES[index] + HKV * TOPK * PAGE * D * 4)
     reps = max(1, min(8, math.ceil(L2_SPAN / sparse_bytes), pool.pages // (batch * ctx // PAGE)))
     pts = tables(pool, batch, ctx, reps)
@@ -187,12 +194,14 @@ def check(pool: Pool) -> None:
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"sparse attention relative error {err}"
     ik4, ik4s = pool.index("int4")
-    got = sa.block_scores(iq, ik4, pt, seq, PAGE, D**-0.5, index_scale=ik4s)
     want = sa.reference_block_scores(iq, ik4, pt, seq, indptr, PAGE, D**-0.5, ik4s)
-    got = got.cpu()[..., : want.shape[2]].double()
     ok = torch.isfinite(want)
-    err = ((got[ok] - want[ok]).norm() / want[ok].norm()).item()
-    assert err < 1e-5, f"4-bit index block scores relative error {err}"
+    for dots in ("int4", "int4-i8"):
+        use_dots(dots)
+        got = sa.block_scores(iq, ik4, pt, seq, PAGE, D**-0.5, index_scale=ik4s)
+        got = got.cpu()[..., : want.shape[2]].double()
+        err = ((got[ok] - want[ok]).norm() / want[ok].norm()).item()
+        assert err < 1e-5, f"4-bit index ({dots}) block scores relative error {err}"
 
 
 # (blocks per program, (stages, warps, fp16 dots)) tried at batch 64 x 128K; None = library choice.
@@ -215,6 +224,7 @@ TUNE = {
     ],
     "int4": [(1, (1, 4, True)), (None, (1, 4, True)), (None, (2, 4, True)), (None, (3, 4, True))],
 }
+TUNE["int4-i8"] = TUNE["int4"]
 
 
 def tune(pool: Pool, kinds: list[str]) -> tuple[dict, list]:
@@ -279,11 +289,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--index", default="bf16,fp8,int4", help="index-key caches to time")
+    ap.add_argument(
+        "--index", default="bf16,fp8,int4,int4-i8", help="index-key caches (and 4-bit dots) to time"
+    )
     args = ap.parse_args()
     kinds = args.index.split(",")
     if bad := set(kinds) - set(INDEX_BYTES):
-        raise SystemExit(f"--index: {sorted(bad)} unknown; give some of bf16, fp8, int4")
+        raise SystemExit(f"--index: {sorted(bad)} unknown; give some of {', '.join(INDEX_BYTES)}")
     os.makedirs(args.out, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
