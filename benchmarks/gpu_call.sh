@@ -115,7 +115,9 @@ case "$what" in
       2>&1 | tee "$OUT/sparse_attention.log" ;;
   pack) pack_out ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1 or not)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
-  tune-verify) python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
+  tune-verify) # the verify tiles' registers and occupancy as this Triton compiles them, then timed
+    python3 benchmarks/kernel_resources.py --verify > "$OUT/kernel_resources_verify.log" 2>&1
+    python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
   *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;

@@ -58,7 +58,22 @@ def variants(fp8: bool, quick: bool) -> list[dict]:
         for bn, w, s in ((128, 4, 3), (64, 4, 4)):
             cfg = dict(block_n=bn, num_warps=w, num_stages=s, waves=2.0, kv_mode="f16pairs")
             out += [cfg, dict(cfg, maxnreg=128)]
+    if not quick:
+        out += occupancy_variants(fp8)
     return out
+
+
+def occupancy_variants(fp8: bool) -> list[dict]:
+    """bf16 tilings that keep 96-128 KB of K/V loading per SM at the verify tile (20-32 query
+    rows), as the decode tilings that read at 0.85-0.87 of copy do: uncapped, a 4-warp verify
+    tile takes 190-200 registers on sm_90 and so runs two programs per SM
+    (``kernel_resources.py --verify``). bn64 s2 takes 141 (three per SM) and compiles under a
+    128-register cap without spills (four). fp8's 16-bit-word tile capped to four per SM is
+    already among the variants above."""
+    if fp8:
+        return []
+    cfg = dict(block_n=64, num_warps=4, num_stages=2, waves=2.0)
+    return [cfg, dict(cfg, maxnreg=128)]
 
 
 def name(cfg: dict) -> str:
