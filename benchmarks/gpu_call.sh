@@ -115,9 +115,15 @@ case "$what" in
       2>&1 | tee "$OUT/sparse_attention.log" ;;
   pack) pack_out ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1 or not)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
-  tune-verify) # the verify tiles' registers and occupancy as this Triton compiles them, then timed
+  tune-verify) # the verify tiles' registers and occupancy as this Triton compiles them, then timed;
+               # the best tilings go into a copy of the device's tuning file (the one an earlier
+               # tune-kernels wrote, else the committed one): $OUT/decode_tuning.json and
+               # /tmp/decode_tuning.json, for SGL_ATOM_DECODE_TUNING in later calls
     python3 benchmarks/kernel_resources.py --verify > "$OUT/kernel_resources_verify.log" 2>&1
-    python3 benchmarks/tune_verify.py "$@" 2>&1 | tee "$OUT/tune_verify.log" ;;
+    [ -f /tmp/decode_tuning.json ] || cp sgl_atom/attention/tuned/NVIDIA_H200.json /tmp/decode_tuning.json
+    python3 benchmarks/tune_verify.py --write-config /tmp/decode_tuning.json "$@" 2>&1 \
+      | tee "$OUT/tune_verify.log"
+    cp /tmp/decode_tuning.json "$OUT/decode_tuning.json" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
   *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;

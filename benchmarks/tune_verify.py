@@ -156,15 +156,28 @@ def main() -> None:
               f"(launcher default x{base:.3f})")  # fmt: skip
         picks[kv] = cfg
     if args.write_config:
-        doc = {
-            "device": torch.cuda.get_device_name(0),
-            "date": datetime.date.today().isoformat(),
-            "command": "python3 benchmarks/tune_verify.py " + " ".join(sys.argv[1:]),
-            "verify": picks,
-        }
-        with open(args.write_config, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_verify(args.write_config, picks, torch.cuda.get_device_name(0), sys.argv[1:])
         print(f"verify tuning written to {args.write_config}")
+
+
+def write_verify(path: str, picks: dict, device: str, argv: list[str]) -> None:
+    """Put ``picks`` as the "verify" entry of the decode tuning file at ``path``, keeping its
+    other entries (its "decode" one above all: a file without it cannot serve); a new file holds
+    the verify entry alone, for a decode tuning to be added beside it."""
+    doc = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("device", device) != device:
+            raise SystemExit(
+                f"--write-config {path}: a tuning file of {doc['device']!r}, not {device!r}"
+            )
+    doc.setdefault("device", device)
+    doc["verify_date"] = datetime.date.today().isoformat()
+    doc["verify_command"] = "python3 benchmarks/tune_verify.py " + " ".join(argv)
+    doc["verify"] = picks
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

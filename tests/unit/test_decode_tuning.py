@@ -124,3 +124,45 @@ def test_every_kernel_kv_mode_is_a_valid_entry(tmp_path):
         assert tuning.kernel_kwargs() == {"kv_mode": mode}
     with pytest.raises(dt.DecodeTuningError, match="'pairs' needs a bf16 q"):
         dt.check_kv_mode(dt.DecodeTuning(kv_mode="pairs"), torch.float16, "f.json")
+
+
+def _tuners():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tune_decode
+    import tune_verify
+
+    return tune_decode, tune_verify
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_every_swept_tiling_is_a_tuning_entry_the_backend_takes(fp8):
+    """Whatever the sweeps pick, --write-config writes an entry the backend parses."""
+    for tuner in _tuners():
+        for quick in (False, True):
+            for cfg in tuner.variants(fp8, quick):
+                tuning = dt.parse(cfg, f"{tuner.__name__} {cfg}")
+                assert tuning.waves == cfg["waves"]
+                assert tuning.kernel_kwargs() == {k: v for k, v in cfg.items() if k != "waves"}
+
+
+def test_verify_picks_go_into_the_tuning_file_beside_its_decode_entry(tmp_path):
+    """tune_verify --write-config on a device's tuning file: the decode entry stays, so the file
+    still serves; the verify entry is replaced; another device's file is refused."""
+    _, tune_verify = _tuners()
+    path = tmp_path / "t.json"
+    decode = {"bf16": {"block_n": 64}, "fp8": {"kv_mode": "f16pairs", "maxnreg": 128}}
+    path.write_text(json.dumps({"device": "X", "decode": decode, "verify": {"bf16": {}}}))
+    picks = {"bf16": {"block_n": 64, "num_stages": 2, "maxnreg": 128, "waves": 2.0},
+             "fp8": {"waves": 2.0}}  # fmt: skip
+    tune_verify.write_verify(str(path), picks, "X", ["--write-config", str(path)])
+    assert dt.load("fp8", "X", str(path))[0].kernel_kwargs() == decode["fp8"]
+    got, _ = dt.load("bf16", "X", str(path), "verify")
+    assert got.kernel_kwargs() == {"block_n": 64, "num_stages": 2, "maxnreg": 128}
+    with pytest.raises(SystemExit, match="a tuning file of 'X', not 'Y'"):
+        tune_verify.write_verify(str(path), picks, "Y", [])
+    fresh = tmp_path / "new.json"
+    tune_verify.write_verify(str(fresh), picks, "Y", [])
+    assert dt.load("bf16", "Y", str(fresh), "verify")[0].maxnreg == 128
