@@ -9,7 +9,8 @@
 # kernels, tune-decode, tune-verify, tune-kernels, ncu-decode and sparse-scoring need torch and
 # Triton only: they run on part 1 alone (the first call of the two-call routine), or with no
 # bundle at all.
-# tune-kernels writes the measured decode tuning to
+# tune-kernels writes the measured decode tuning into a copy of the committed tuning file (its
+# verify entry kept; tune-verify likewise keeps the decode one) at
 # $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
 # calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json. It then writes the kernel's
 # resources as Triton compiles it here, profiles the tuned decode (ncu-decode) and runs the
@@ -74,9 +75,11 @@ esac
 case "$what" in
   kernels) kernel_tests ;;
   tune-kernels)
-    python3 benchmarks/tune_decode.py --write-config "$OUT/decode_tuning.json" "$@" 2>&1 \
+    # the sweep's decode picks go into a copy of the committed file, its verify entry kept
+    [ -f /tmp/decode_tuning.json ] || cp sgl_atom/attention/tuned/NVIDIA_H200.json /tmp/decode_tuning.json
+    python3 benchmarks/tune_decode.py --write-config /tmp/decode_tuning.json "$@" 2>&1 \
       | tee "$OUT/tune_decode.log"
-    [ -f "$OUT/decode_tuning.json" ] && cp "$OUT/decode_tuning.json" /tmp/decode_tuning.json
+    cp /tmp/decode_tuning.json "$OUT/decode_tuning.json"
     python3 benchmarks/kernel_resources.py --maxnreg 128 > "$OUT/kernel_resources.log" 2>&1
     [ -f /tmp/decode_tuning.json ] && export SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json
     timeout 150 bash "$0" ncu-decode > /dev/null 2>&1

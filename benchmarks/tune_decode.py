@@ -134,16 +134,31 @@ def write_config(path: str, speed: dict, argv: list[str]) -> None:
         cfg, score = best(speed, kv)
         decode[kv] = cfg
         print(f"best {kv}: {name(cfg)} (geomean x{score:.3f} vs default over {len(SHAPES)} shapes)")
-    doc = {
-        "device": torch.cuda.get_device_name(0),
+    update = {
         "date": datetime.date.today().isoformat(),
         "command": "python3 benchmarks/tune_decode.py " + " ".join(argv),
         "shapes": [f"{b}x{c}" for b, c in SHAPES],
         "decode": decode,
     }
+    merge_tuning(path, torch.cuda.get_device_name(0), update)
+    print(f"decode tuning written to {path}")
+
+
+def merge_tuning(path: str, device: str, update: dict) -> None:
+    """Write ``update``'s entries into the decode tuning file at ``path``, keeping the others
+    (a decode sweep keeps the file's verify tiling, a verify sweep its decode one); refuse a
+    file of another device. A new file holds ``update`` alone."""
+    doc = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("device", device) != device:
+            raise SystemExit(
+                f"--write-config {path}: a tuning file of {doc['device']!r}, not {device!r}"
+            )
+    doc = {"device": device, **doc, **update}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"decode tuning written to {path}")
 
 
 def sweep(run_fn, shapes, quick: bool, head: list[str]) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -26,7 +25,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_paged_attention import kv_bytes, paged  # noqa: E402
 from common import import_kernels, time_ms  # noqa: E402
-from tune_decode import GRAPH_CONTEXT, HKV, HQ, PAGE, D, geomean, rel_err, sweep  # noqa: E402
+from tune_decode import (  # noqa: E402
+    GRAPH_CONTEXT,
+    HKV,
+    HQ,
+    PAGE,
+    D,
+    geomean,
+    merge_tuning,
+    rel_err,
+    sweep,
+)
 
 pa = import_kernels("paged_attention")
 SHAPES = [(1, 4096), (16, 4096), (64, 4096)]
@@ -162,22 +171,13 @@ def main() -> None:
 
 def write_verify(path: str, picks: dict, device: str, argv: list[str]) -> None:
     """Put ``picks`` as the "verify" entry of the decode tuning file at ``path``, keeping its
-    other entries (its "decode" one above all: a file without it cannot serve); a new file holds
-    the verify entry alone, for a decode tuning to be added beside it."""
-    doc = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            doc = json.load(f)
-        if doc.get("device", device) != device:
-            raise SystemExit(
-                f"--write-config {path}: a tuning file of {doc['device']!r}, not {device!r}"
-            )
-    doc.setdefault("device", device)
-    doc["verify_date"] = datetime.date.today().isoformat()
-    doc["verify_command"] = "python3 benchmarks/tune_verify.py " + " ".join(argv)
-    doc["verify"] = picks
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    other entries (its "decode" one above all: a file without it cannot serve)."""
+    update = {
+        "verify_date": datetime.date.today().isoformat(),
+        "verify_command": "python3 benchmarks/tune_verify.py " + " ".join(argv),
+        "verify": picks,
+    }
+    merge_tuning(path, device, update)
 
 
 if __name__ == "__main__":

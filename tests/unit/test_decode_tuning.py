@@ -166,3 +166,14 @@ def test_verify_picks_go_into_the_tuning_file_beside_its_decode_entry(tmp_path):
     fresh = tmp_path / "new.json"
     tune_verify.write_verify(str(fresh), picks, "Y", [])
     assert dt.load("bf16", "Y", str(fresh), "verify")[0].maxnreg == 128
+
+
+def test_decode_picks_keep_the_files_verify_entry(tmp_path):
+    """tune_decode --write-config on a file with a verify tiling keeps that tiling."""
+    tune_decode, _ = _tuners()
+    path = tmp_path / "t.json"
+    verify = {"bf16": {"block_n": 128, "num_stages": 3}}
+    path.write_text(json.dumps({"device": "X", "decode": {}, "verify": verify}))
+    tune_decode.merge_tuning(str(path), "X", {"decode": {"bf16": {"block_n": 32}, "fp8": {}}})
+    assert dt.load("bf16", "X", str(path))[0].block_n == 32
+    assert dt.load("bf16", "X", str(path), "verify")[0].kernel_kwargs() == verify["bf16"]
