@@ -140,14 +140,15 @@ def write_config(path: str, speed: dict, argv: list[str]) -> None:
         "shapes": [f"{b}x{c}" for b, c in SHAPES],
         "decode": decode,
     }
-    merge_tuning(path, torch.cuda.get_device_name(0), update)
+    merge_tuning(path, torch.cuda.get_device_name(0), update, stale=("note",))
     print(f"decode tuning written to {path}")
 
 
-def merge_tuning(path: str, device: str, update: dict) -> None:
+def merge_tuning(path: str, device: str, update: dict, stale: tuple[str, ...] = ()) -> None:
     """Write ``update``'s entries into the decode tuning file at ``path``, keeping the others
-    (a decode sweep keeps the file's verify tiling, a verify sweep its decode one); refuse a
-    file of another device. A new file holds ``update`` alone."""
+    (a decode sweep keeps the file's verify tiling, a verify sweep its decode one) but for
+    ``stale`` (the replaced picks' notes); refuse a file of another device. A new file holds
+    ``update`` alone."""
     doc = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -156,7 +157,7 @@ def merge_tuning(path: str, device: str, update: dict) -> None:
             raise SystemExit(
                 f"--write-config {path}: a tuning file of {doc['device']!r}, not {device!r}"
             )
-    doc = {"device": device, **doc, **update}
+    doc = {"device": device, **{k: v for k, v in doc.items() if k not in stale}, **update}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -177,7 +177,7 @@ def write_verify(path: str, picks: dict, device: str, argv: list[str]) -> None:
         "verify_command": "python3 benchmarks/tune_verify.py " + " ".join(argv),
         "verify": picks,
     }
-    merge_tuning(path, device, update)
+    merge_tuning(path, device, update, stale=("verify_note",))
 
 
 if __name__ == "__main__":

@@ -154,11 +154,14 @@ def test_verify_picks_go_into_the_tuning_file_beside_its_decode_entry(tmp_path):
     _, tune_verify = _tuners()
     path = tmp_path / "t.json"
     decode = {"bf16": {"block_n": 64}, "fp8": {"kv_mode": "f16pairs", "maxnreg": 128}}
-    path.write_text(json.dumps({"device": "X", "decode": decode, "verify": {"bf16": {}}}))
+    doc = {"device": "X", "decode": decode, "note": "d", "verify": {"bf16": {}}, "verify_note": "v"}
+    path.write_text(json.dumps(doc))
     picks = {"bf16": {"block_n": 64, "num_stages": 2, "maxnreg": 128, "waves": 2.0},
              "fp8": {"waves": 2.0}}  # fmt: skip
     tune_verify.write_verify(str(path), picks, "X", ["--write-config", str(path)])
     assert dt.load("fp8", "X", str(path))[0].kernel_kwargs() == decode["fp8"]
+    written = json.loads(path.read_text())
+    assert written["note"] == "d" and "verify_note" not in written  # the replaced picks' note
     got, _ = dt.load("bf16", "X", str(path), "verify")
     assert got.kernel_kwargs() == {"block_n": 64, "num_stages": 2, "maxnreg": 128}
     with pytest.raises(SystemExit, match="a tuning file of 'X', not 'Y'"):
