@@ -109,10 +109,24 @@ def test_verify_section_is_optional_and_checked(tmp_path):
 
 
 def test_committed_h200_verify_tiling():
-    """The committed H200 file tunes bf16 verify (benchmarks/results/tune_verify.log)."""
+    """The committed H200 file tunes bf16 and fp8 verify (benchmarks/results/tune_verify.log),
+    register cap and fp8 KV mode included, apart from the decode entries."""
     tuning, source = dt.load("bf16", "NVIDIA H200", section="verify")
     assert source.endswith("NVIDIA_H200.json")
-    assert tuning.kernel_kwargs() == {"block_n": 128, "num_warps": 4, "num_stages": 3}
+    assert tuning.kernel_kwargs() == {
+        "block_n": 64,
+        "num_warps": 4,
+        "num_stages": 2,
+        "maxnreg": 128,
+    }
+    fp8, _ = dt.load("fp8", "NVIDIA H200", section="verify")
+    assert fp8.kernel_kwargs() == {
+        "block_n": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+        "kv_mode": "f16pairs",
+    }
+    assert dt.load("bf16", "NVIDIA H200")[0].kernel_kwargs()["block_n"] == 64
 
 
 def test_every_kernel_kv_mode_is_a_valid_entry(tmp_path):
