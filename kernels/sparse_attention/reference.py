@@ -57,7 +57,9 @@ def int4_query(q: torch.Tensor) -> torch.Tensor:
     step in q's dtype. The step's exponent is clamped to [-126, 121], as the kernel's fp32 bits."""
     amax = q.abs().amax(-1, keepdim=True).to(torch.float32).double()
     exp = (torch.frexp(amax).exponent - 1).clamp(-120, 127)  # amax in [2^exp, 2^(exp + 1))
-    step = torch.pow(2.0, (exp - 6).double())
+    # 2^(exp - 6) from its bits: exact on every device (CUDA's pow(2.0, n) in float64 is not
+    # always, and a step a bit off a power of two moves the many x.5 ties of bf16 q)
+    step = ((exp.to(torch.int64) + (1023 - 6)) << 52).view(torch.float64)
     return (torch.floor(q.double() / step + 0.5).clamp(max=127.0) * step).to(q.dtype)
 
 
