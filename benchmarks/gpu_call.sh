@@ -114,7 +114,7 @@ case "$what" in
                   # the sparse benchmark at the kernel target's context
     python3 -m pytest -q tests/gpu/test_sparse_kernels.py 2>&1 | tee "$OUT/sparse_attention_gpu_tests.log"
     (cd benchmarks && capped 240 python3 probe_int4_scoring.py) 2>&1 | tee "$OUT/probe_int4_scoring.log"
-    (cd benchmarks && capped 300 python3 bench_sparse_attention.py --out "$OUT" --contexts 131072 --index fp8,int4,int4-i8 "$@") \
+    (cd benchmarks && capped 300 python3 bench_sparse_attention.py --out "$OUT" --contexts 131072 --index fp8,int4,int4-f16 "$@") \
       2>&1 | tee "$OUT/sparse_attention.log" ;;
   pack) pack_out ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1 or not)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;

@@ -274,18 +274,24 @@ def topk_select_kernel(
 # Scoring kernel (pipeline stages, warps, fp16 dots for an fp8 cache): H200 sweep in
 # benchmarks/results/tune_sparse_scoring.log.
 SCORE_CONFIG = (2, 4, True)
-# The dots of a 4-bit cache on a GPU: "f16" (the nibbles made fp16; measured on the H200,
-# sparse_attention.md) or "i8" (integer MMAs over the nibbles as stored; same scores, compared
-# by benchmarks/probe_int4_scoring.py). Read at each launch.
-INT4_DOT = "f16"
+# The dots of a 4-bit cache on a GPU: "i8" (integer MMAs over the nibbles as stored) or "f16"
+# (the nibbles made fp16); the same scores. H200, batch 64 x 128K: scoring 0.164 ms against
+# 0.233 (benchmarks/results/sparse_attention.md). Read at each launch.
+INT4_DOT = "i8"
 
 
-def blocks_per_program_for(max_blocks: int, rows: int, device: torch.device) -> int:
-    """128-token blocks per scoring program: 4 (a pipelined run) once there are at least 256
-    (block, row tile) pairs per SM, else 1 (smaller problems need every program they can get).
-    H200, fp8 cache: 4 is 12% faster than 1 at batch 64 x 128K; at batch 16 x 128K and 64 x 32K
-    the choices lie within 3%; 1 is best at batch 1-4 (tune_sparse_scoring.log)."""
-    return 4 if max_blocks * rows >= 256 * num_sms(device, cpu=4) else 1
+def blocks_per_program_for(
+    max_blocks: int, rows: int, device: torch.device, int8_dots: bool = False
+) -> int:
+    """128-token blocks per scoring program: a pipelined run (4 blocks, 8 for a 4-bit cache
+    scored by integer MMAs) once there are at least 256 (block, row tile) pairs per SM, else 1
+    (smaller problems need every program they can get). H200, fp8 cache: 4 is 12% faster than 1
+    at batch 64 x 128K; at batch 16 x 128K and 64 x 32K the choices lie within 3%; 1 is best at
+    batch 1-4 (tune_sparse_scoring.log). 4-bit cache, integer MMAs, batch 64 x 128K: 8 blocks
+    select in 0.175 ms against 0.188 for 4 and 0.215 for 2 (sparse_attention.log)."""
+    if max_blocks * rows < 256 * num_sms(device, cpu=4):
+        return 1
+    return 8 if int8_dots else 4
 
 
 def _check(
@@ -342,11 +348,13 @@ def block_scores(
     scores: torch.Tensor | None = None,
     blocks_per_program: int | None = None,
     config: tuple[int, int, bool] | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Scores [total_q, kv_heads, max_blocks] fp32 (max_blocks = cdiv(max_seq_len, 128)); entries
     of blocks a token cannot see are left unwritten. Arguments as `select_blocks`; `config`:
     (pipeline stages, num_warps, fp16 dots for an fp8 cache) of the scoring kernel, default
-    `SCORE_CONFIG`."""
+    `SCORE_CONFIG`; `block_m`: (token, KV head) rows per program, a power of two >= 16 (default:
+    the batch's rows per sequence, 16 to 64)."""
     _check(index_q, index_cache, page_table, seq_lens, qo_indptr, index_scale, 1, 0, 0)
     if not scale > 0:  # the kernel scales each row's max, not each score
         raise ValueError(f"block_scores: scale must be positive, got {scale}")
@@ -364,13 +372,14 @@ def block_scores(
         and scores.shape[2] >= max_blocks
         and scores.stride(2) == 1
     )
-    block_m = max(16, min(64, next_pow2(max_qo_len * kv_heads)))
+    block_m = block_m or max(16, min(64, next_pow2(max_qo_len * kv_heads)))
     fp8, int4 = is_fp8(index_cache.dtype), is_int4(index_cache.dtype)
     scaled = scaled_index(index_cache.dtype)
     row_w = index_cache.shape[1]
     row_tiles = triton.cdiv(max_qo_len * kv_heads, block_m)
+    i8_dot = int4 and not f32_dot(index_q) and INT4_DOT == "i8"
     nb = blocks_per_program or blocks_per_program_for(
-        max_blocks, row_tiles * seq_lens.shape[0], index_q.device
+        max_blocks, row_tiles * seq_lens.shape[0], index_q.device, i8_dot
     )
     stages, warps, f16 = config or SCORE_CONFIG
     grid = (triton.cdiv(max_blocks, nb), row_tiles, seq_lens.shape[0])
@@ -400,7 +409,7 @@ def block_scores(
         INT4=int4,
         F32_DOT=f32_dot(index_q),
         F16_DOT=index_q.dtype != torch.float32 and f16 and fp8,
-        I8_DOT=int4 and not f32_dot(index_q) and INT4_DOT == "i8",
+        I8_DOT=i8_dot,
         STAGES=stages,
         num_warps=warps,
     )

@@ -55,13 +55,13 @@ def test_gpu_index_write_int4():
 
 
 def _int4_dots(index: str, monkeypatch) -> dict:
-    """make_case flags for `index`; "int4-i8": the 4-bit cache scored by integer MMAs."""
-    if index == "int4-i8":
-        monkeypatch.setattr(sa.block_select, "INT4_DOT", "i8")
+    """make_case flags for `index`; "int4": the 4-bit cache scored as the library does (integer
+    MMAs), "int4-f16": by fp16 dots."""
+    monkeypatch.setattr(sa.block_select, "INT4_DOT", "f16" if index == "int4-f16" else "i8")
     return dict(index_fp8=index == "fp8", index_int4=index.startswith("int4"))
 
 
-@pytest.mark.parametrize("index", ["bf16", "fp8", "int4", "int4-i8"])
+@pytest.mark.parametrize("index", ["bf16", "fp8", "int4", "int4-f16"])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_gpu_scores(mode, page_size, index, monkeypatch):
@@ -93,7 +93,7 @@ def test_gpu_scores(mode, page_size, index, monkeypatch):
     assert_close_rel(scores.cpu()[..., : ref.shape[2]][vis], ref[vis], 1e-5, "block scores")
 
 
-@pytest.mark.parametrize("index", ["fp8", "int4", "int4-i8"])
+@pytest.mark.parametrize("index", ["fp8", "int4", "int4-f16"])
 @pytest.mark.parametrize("magnitude", [1e-7, 1e7], ids=lambda m: f"q{m:g}")
 @pytest.mark.parametrize("nb", [1, 4])
 def test_gpu_scores_scaled_q_magnitude(nb, magnitude, index, monkeypatch):
