@@ -288,7 +288,7 @@ def blocks_per_program_for(
     (smaller problems need every program they can get). H200, fp8 cache: 4 is 12% faster than 1
     at batch 64 x 128K; at batch 16 x 128K and 64 x 32K the choices lie within 3%; 1 is best at
     batch 1-4 (tune_sparse_scoring.log). 4-bit cache, integer MMAs, batch 64 x 128K: 8 blocks
-    select in 0.175 ms against 0.188 for 4 and 0.215 for 2 (sparse_attention.log)."""
+    select in 0.175 ms against 0.188 for 4 and 0.215 for 2 (sparse_attention_int4.log)."""
     if max_blocks * rows < 256 * num_sms(device, cpu=4):
         return 1
     return 8 if int8_dots else 4
