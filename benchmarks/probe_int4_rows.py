@@ -45,12 +45,13 @@ def rounded(q: torch.Tensor, per: str) -> torch.Tensor:
     half = q.shape[-1] // 2
     if per == "none":
         return q
+    if per == "row":  # the library's own reference rounding
+        return sa.int4_query(q)
     if per == "half":
-        return torch.cat([rounded(q[..., :half], "row"), rounded(q[..., half:], "row")], -1)
+        return torch.cat([sa.int4_query(q[..., :half]), sa.int4_query(q[..., half:])], -1)
     if per == "first-half":
         return _on_step(q, q[..., :half].abs().amax(-1, keepdim=True))
-    dims = (-1, -2) if per == "token" else -1
-    return _on_step(q, q.abs().amax(dims, keepdim=True))
+    return _on_step(q, q.abs().amax((-1, -2), keepdim=True))  # per token
 
 
 def scores64(c, qr: torch.Tensor, shift: int = 0) -> torch.Tensor:
