@@ -123,6 +123,13 @@ SGL_ATOM_DSPARK_DRAFT_GRAPHS = EnvVar(
     "verify in CUDA graphs, one per decode batch size SGLang captures (0: the draft runs "
     "eagerly; off with --disable-cuda-graph too).",
 )
+SGL_ATOM_DSPARK_FUSED_MARKOV = EnvVar(
+    "SGL_ATOM_DSPARK_FUSED_MARKOV",
+    True,
+    "ATOM_DSPARK on CUDA: each step of the draft's Markov head is one fused kernel (bias GEMM, "
+    "base logits and argmax; kernels/draft_markov) rather than a GEMM, an add and an argmax "
+    "(0: the unfused torch ops).",
+)
 SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
     "SGL_ATOM_PD_TRANSFER_TIMEOUT",
     60,
@@ -200,6 +207,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_CPU_KERNELS,
     SGL_ATOM_DSPARK_FAULT,
     SGL_ATOM_DSPARK_DRAFT_GRAPHS,
+    SGL_ATOM_DSPARK_FUSED_MARKOV,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
     SGL_ATOM_PD_TRANSFER_LOG,

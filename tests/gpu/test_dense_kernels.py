@@ -265,6 +265,34 @@ def test_markov_refine_on_device_matches_float64(batch):
     assert one.dtype == torch.float32 and torch.equal(one, logits[:, 0])
 
 
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_fused_markov_refine_matches_float64(batch):
+    """The fused Markov step (the served path on CUDA) at Llama-3's vocab and rank 256: each
+    pick is a float64 maximum to float32 rounding, float64's argmax wherever the top-2 gap is
+    clear of it, and the unfused torch path's token there too."""
+    from sgl_atom.speculative.dspark.markov import fused_step, markov_refine
+
+    vocab, rank, k = 128256, 256, 4
+    g = torch.Generator(device=DEV).manual_seed(100 + batch)
+    base = torch.randn(batch, k, vocab, device=DEV, generator=g).bfloat16()
+    w1, w2 = (torch.randn(vocab, rank, device=DEV, generator=g).bfloat16() * 0.1 for _ in "12")
+    anchor = torch.randint(0, vocab, (batch,), device=DEV, generator=g)
+    assert fused_step(base, w1, w2)
+    tokens = markov_refine(base, anchor, w1, w2)
+    _, torch_logits = markov_refine(base, anchor, w1, w2, return_logits=True)
+    prev = anchor.long()
+    for j in range(k):
+        want = base[:, j].double() + w1[prev].double() @ w2.double().T
+        picked = want.gather(1, tokens[:, j : j + 1]).squeeze(1)
+        top2 = want.topk(2, dim=-1).values
+        assert torch.all(picked >= top2[:, 0] - 1e-4)
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-4
+        assert torch.equal(tokens[clear, j], want.argmax(-1)[clear])
+        if j == 0:  # later steps' torch logits follow the torch path's own picks
+            assert torch.equal(tokens[clear, 0], torch_logits[clear, 0].argmax(-1))
+        prev = tokens[:, j]
+
+
 def _committed_verify_tilings() -> list[tuple[str, dict]]:
     from sgl_atom.attention import decode_tuning as dt
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from sgl_atom import envs
+from sgl_atom.kernels.draft_markov import markov_argmax
+
 
 def markov_step_logits(
     base_logits: torch.Tensor, prev_tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
@@ -50,6 +53,20 @@ def _tensor_core_bias(rows: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
+def fused_step(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether a step runs as one fused kernel (``kernels/draft_markov``): CUDA, bf16/fp16
+    heads of one dtype, a vocabulary-contiguous base, and SGL_ATOM_DSPARK_FUSED_MARKOV on."""
+    return (
+        base_logits.is_cuda
+        and w1.dtype in (torch.bfloat16, torch.float16)
+        and w2.dtype == w1.dtype
+        and base_logits.stride(-1) == 1
+        and w1.stride(-1) == 1
+        and w2.stride(-1) == 1
+        and envs.SGL_ATOM_DSPARK_FUSED_MARKOV.get()
+    )
+
+
 def markov_refine(
     base_logits: torch.Tensor,
     anchor: torch.Tensor,
@@ -68,6 +85,11 @@ def markov_refine(
     _check(base_logits, anchor, w1, w2)
     batch, k, vocab = base_logits.shape
     tokens = torch.empty(batch, k, dtype=torch.int64, device=base_logits.device)
+    if not return_logits and fused_step(base_logits, w1, w2):
+        prev = anchor
+        for j in range(k):
+            prev = markov_argmax(base_logits[:, j], prev, w1, w2, tokens[:, j])
+        return tokens
     logits = (
         torch.empty(batch, k, vocab, dtype=torch.float32, device=base_logits.device)
         if return_logits
