@@ -79,3 +79,16 @@ def test_forced_acceptance_commits_n_plus_one_target_tokens(n):
         committed = predict[accept_index[b, : n + 1].long()]
         assert committed.tolist() == target[b, : n + 1].tolist()
     assert predict.dtype == accept_index.dtype == accept_lens.dtype == torch.int32
+
+
+def test_forced_acceptance_skips_eagle_sample_only_where_it_leaves_the_logits_alone():
+    """Plain greedy logits: forced acceptance is the step's only argmax. Penalties, logit bias
+    or a grammar change the logits first: eagle_sample still runs before it."""
+    plain = SimpleNamespace(
+        acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None
+    )
+    assert not fa.adjusts_logits(plain, None)
+    assert fa.adjusts_logits(plain, object())  # a grammar mask
+    for field in ("acc_additive_penalties", "acc_scaling_penalties", "logit_bias"):
+        adjusted = SimpleNamespace(**{**vars(plain), field: torch.zeros(1, 8)})
+        assert fa.adjusts_logits(adjusted, None), field

@@ -2,12 +2,14 @@
 
 Every verify of every request then commits N + 1 tokens, whatever the draft proposed: the
 target's own greedy predictions at the first N + 1 verify positions (after SGLang's
-``eagle_sample``, which applied penalties and logit bias to the logits). So draft + verify cost
-can be measured at a fixed acceptance on dummy-weight models at real shapes. The outputs are
-NOT the model's (the KV of those positions was computed from the draft tokens): the worker
-logs a WARNING at start-up, and the flag shows in ``/get_server_info`` as part of SGLang's
-``launch_command``. Off unless given; refused without ``--speculative-algorithm ATOM_DSPARK``
-and for N outside 0..k-1 (k: the draft's block size), while the arguments are resolved.
+``eagle_sample`` where penalties, logit bias or a grammar change the logits; otherwise in its
+place, so that the step reads the verify logits once, as greedy serving does). So draft +
+verify cost can be measured at a fixed acceptance on dummy-weight models at real shapes. The
+outputs are NOT the model's (the KV of those positions was computed from the draft tokens):
+the worker logs a WARNING at start-up, and the flag shows in ``/get_server_info`` as part of
+SGLang's ``launch_command``. Off unless given; refused without ``--speculative-algorithm
+ATOM_DSPARK`` and for N outside 0..k-1 (k: the draft's block size), while the arguments are
+resolved.
 """
 
 from __future__ import annotations
@@ -86,6 +88,19 @@ def forced_acceptance(
     accept_index = torch.where(cols <= n, rows + cols, torch.full_like(cols, -1))
     accept_lens = torch.full((batch,), n + 1, dtype=torch.int32, device=device)
     return predict, accept_lens, accept_index
+
+
+def adjusts_logits(sampling_info, grammar_mask) -> bool:
+    """Whether ``eagle_sample`` changes the verify logits before its argmax (penalties, logit
+    bias, a grammar). Where it does not, forced acceptance skips it: its own argmax over the
+    verify logits is then the step's only one, as in greedy serving (``eagle_sample``'s argmax
+    and tree walk would be a second pass whose result is discarded)."""
+    return (
+        grammar_mask is not None
+        or getattr(sampling_info, "acc_additive_penalties", None) is not None
+        or getattr(sampling_info, "acc_scaling_penalties", None) is not None
+        or getattr(sampling_info, "logit_bias", None) is not None
+    )
 
 
 def register() -> list[str]:

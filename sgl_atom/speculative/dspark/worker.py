@@ -74,7 +74,7 @@ from ...pool_state import state_of
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
 from .draft_graphs import DraftGraphs, DraftPass, capture, capture_sizes
-from .forced_accept import FLAG, WARNING, forced_accept, forced_acceptance
+from .forced_accept import FLAG, WARNING, adjusts_logits, forced_accept, forced_acceptance
 from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool, block_page_table, check_block_attention, write_context_kv
 from .pp_taps import assemble_taps, stage_layers, taps_on_stage
@@ -473,15 +473,17 @@ class AtomDSparkWorker(NGRAMWorker):
         logits_output = result.logits_output
         window_slots = batch.out_cache_loc
         grammar_mask = self._grammar_mask(batch, verify_input) if batch.has_grammar else None
-        predict, accept_lens, accept_index = eagle_sample(
-            verify_input, batch, logits_output, grammar_mask, watermark_state=None
-        )
-        if self.forced_accept is not None:  # benchmarking: N drafts committed, whatever they are
+        forced = self.forced_accept is not None
+        if not forced or adjusts_logits(batch.sampling_info, grammar_mask):
+            predict, accept_lens, accept_index = eagle_sample(
+                verify_input, batch, logits_output, grammar_mask, watermark_state=None
+            )
+        if forced:  # benchmarking: N drafts committed, whatever they are
             predict, accept_lens, accept_index = forced_acceptance(
                 logits_output.next_token_logits,
                 len(batch.reqs),
                 self.draft_token_num,
-                accept_index.shape[1],
+                verify_input.max_tree_depth,
                 self.forced_accept,
             )
         new_seq_lens = batch.seq_lens + accept_lens
