@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
@@ -75,13 +76,14 @@ def main() -> None:
         print(f"[bench_markov] batch {batch}: torch {torch_ms:.4f} ms, fused {fused_ms:.4f} ms")
     header = ["batch", "torch ms", "fused ms", "speedup", "fused GB/s", "of copy"]
     table = format_table(header, rows)
-    cmd = "python3 benchmarks/bench_markov.py --out benchmarks/results"
-    text = f"# DSpark Markov head\n\n{device_name()}, copy {copy:.0f} GB/s\n\n`{cmd}`\n\n{table}\n"
+    cmd = "python3 benchmarks/bench_markov.py " + " ".join(sys.argv[1:])
+    date = time.strftime("%Y-%m-%d")
+    text = f"# DSpark Markov head\n\n{device_name()}, {date}, copy {copy:.0f} GB/s\n\n`{cmd}`\n\n{table}\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "markov.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "markov.json"), "w") as f:
-        json.dump({"device": device_name(), "copy_gbs": copy, "header": header, "rows": rows}, f)
+        json.dump({"device": device_name(), "date": date, "command": cmd, "copy_gbs": copy, "header": header, "rows": rows}, f)
     try:
         plot(rows, os.path.join(args.out, "markov.png"))
     except ImportError as e:
