@@ -78,12 +78,14 @@ def main() -> None:
     table = format_table(header, rows)
     cmd = "python3 benchmarks/bench_markov.py " + " ".join(sys.argv[1:])
     date = time.strftime("%Y-%m-%d")
-    text = f"# DSpark Markov head\n\n{device_name()}, {date}, copy {copy:.0f} GB/s\n\n`{cmd}`\n\n{table}\n"
+    head = f"# DSpark Markov head\n\n{device_name()}, {date}, copy {copy:.0f} GB/s"
+    text = f"{head}\n\n`{cmd}`\n\n{table}\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "markov.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "markov.json"), "w") as f:
-        json.dump({"device": device_name(), "date": date, "command": cmd, "copy_gbs": copy, "header": header, "rows": rows}, f)
+        meta = {"device": device_name(), "date": date, "command": cmd, "copy_gbs": copy}
+        json.dump({**meta, "header": header, "rows": rows}, f)
     try:
         plot(rows, os.path.join(args.out, "markov.png"))
     except ImportError as e:
