@@ -154,6 +154,20 @@ SPEC_ARGS = [
     "--max-total-tokens", "8192",
 ]  # fmt: skip
 SPEC_PROMPTS = word_prompts(8, seed=7, min_words=4, max_words=24)
+# the lossless check of ATOM_DSPARK: 64 prompts x 128 greedy tokens, bf16 and fp8 draft pools,
+# CUDA graphs on (SGLang's and the draft's)
+LOSSLESS_PROMPTS, LOSSLESS_NEW = word_prompts(64, seed=11, min_words=4, max_words=24), 128
+
+
+def _capped(args: list[str], tokens: int) -> list[str]:
+    """``args`` with its --max-total-tokens set to ``tokens``."""
+    i = args.index("--max-total-tokens")
+    return [*args[:i], *args[i + 2 :], "--max-total-tokens", str(tokens)]
+
+
+# the lossless servers hold all 64 requests at once (prompt + 128 new + the verify window each,
+# under 256), so no request is retracted mid-run and the batch reaches 64
+LOSSLESS_ARGS = _capped(SPEC_ARGS, 16384)
 PD_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,self,sm,tcp"}
 SOAK_REQUESTS, SOAK_CONCURRENCY = 200, 32
 M3_SERVERS = ("m3-bf16", "m3-fp8", "m3-int4")  # bf16; fp8 KV and index keys; 4-bit index keys
@@ -186,7 +200,7 @@ def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
     # decode lines every 4 steps: SGLang's default (40) logs none in 24 tokens
     m3_args = [*ARGS, "--max-total-tokens", "8192", "--decode-log-interval", "4"]
     jobs = {
-        "dspark-baseline": (target, SPEC_ARGS, {}),
+        "dspark-baseline": (target, LOSSLESS_ARGS, {}),
         "pd-prefill": (target, [*SPEC_ARGS, *prefill_args(bootstrap_port),
                                 "--nccl-port", str(free_port())], PD_ENV),
         "pd-decode": (target, [*SPEC_ARGS, *DECODE_ARGS,
@@ -202,7 +216,7 @@ def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
             "--speculative-draft-model-path", str(DSPARK_CHAIN),
             "--spec-decode-kv-cache-dtype", dtype,
         ]  # fmt: skip
-        jobs[f"dspark-{dtype}"] = (target, [*SPEC_ARGS, *spec], ENV)
+        jobs[f"dspark-{dtype}"] = (target, [*LOSSLESS_ARGS, *spec], ENV)
     return jobs
 
 
@@ -227,23 +241,36 @@ def feature_servers(request, gpu_servers) -> dict:
 
 
 @pytest.fixture(scope="module")
-def chain_baseline(feature_servers):
-    """The word-chain target and its greedy outputs without speculation."""
+def chain_baseline(feature_servers) -> dict[str, list]:
+    """The word-chain target's greedy outputs without speculation: "short", SPEC_PROMPTS x 32
+    tokens (the P/D pair's), and "lossless", LOSSLESS_PROMPTS x LOSSLESS_NEW tokens."""
     plain = feature_servers["dspark-baseline"]
-    want = [o["output_ids"] for o in plain.generate(SPEC_PROMPTS, max_new_tokens=32)]
-    plain.stop()
-    return want
+    try:
+        short = [o["output_ids"] for o in plain.generate(SPEC_PROMPTS, max_new_tokens=32)]
+        full = plain.generate(LOSSLESS_PROMPTS, max_new_tokens=LOSSLESS_NEW)
+    finally:
+        plain.stop()
+    return {"short": short, "lossless": [o["output_ids"] for o in full]}
 
 
 @pytest.mark.parametrize("draft_dtype", ["bf16", "fp8"])
-def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype):
+def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype, report):
     srv = feature_servers[f"dspark-{draft_dtype}"]
     try:
-        got = [o["output_ids"] for o in srv.generate(SPEC_PROMPTS, max_new_tokens=32)]
+        out = srv.generate(LOSSLESS_PROMPTS, max_new_tokens=LOSSLESS_NEW)
         log = srv.log_text()
     finally:
         srv.stop()
-    assert got == chain_baseline
+    got, want = [o["output_ids"] for o in out], chain_baseline["lossless"]
+    same = sum(a == b for a, b in zip(got, want, strict=True))
+    accept = re.findall(r"tokens/forward ([\d.]+) \(total", log)
+    report(
+        f"GPU ATOM_DSPARK {draft_dtype} pool: {same}/{len(want)} greedy outputs of "
+        f"{LOSSLESS_NEW} tokens equal no speculation; tokens/forward at the last log line "
+        f"{accept[-1] if accept else '-'}"
+    )
+    assert all(len(g) == LOSSLESS_NEW for g in got)
+    assert same == len(want)
     assert "ATOM_DSPARK: overlap scheduling on" in log, "SGLang's default, as users run it"
     # the draft's pass runs as replayed CUDA graphs (draft_graphs.py), the verify in SGLang's
     assert "ATOM_DSPARK draft CUDA graphs: captured" in log, log[-3000:]
@@ -268,7 +295,7 @@ def test_pd_pair_on_one_gpu(feature_servers, chain_baseline, report):
     from sgl_atom.testing.router import Router
 
     prefill, decode = feature_servers["pd-prefill"], feature_servers["pd-decode"]
-    bp, want = feature_servers["bootstrap_port"], chain_baseline
+    bp, want = feature_servers["bootstrap_port"], chain_baseline["short"]
 
     def one(i: int):
         prompt = SPEC_PROMPTS[i % len(SPEC_PROMPTS)]
