@@ -19,9 +19,21 @@ class EnvVar(Generic[T]):
     default: T
     doc: str
 
+    @property
+    def sglang_name(self) -> str:
+        """The spelling SGLang 0.5.23's deprecation warning points to (``SGL_`` -> ``SGLANG_``):
+        SGLang copies every ``SGL_*`` variable there, and a user who follows the warning sets
+        only this one."""
+        return "SGLANG_" + self.name.removeprefix("SGL_")
+
+    def _raw(self) -> str | None:
+        """The own name first: SGLang copies it over the other spelling in every process that
+        imports SGLang, so a stale copy inherited from a parent never wins."""
+        return os.environ.get(self.name) or os.environ.get(self.sglang_name) or None
+
     def get(self) -> T:
-        raw = os.environ.get(self.name)
-        if raw is None or raw == "":
+        raw = self._raw()
+        if raw is None:
             return self.default
         if isinstance(self.default, bool):
             return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
@@ -33,7 +45,7 @@ class EnvVar(Generic[T]):
         return raw  # type: ignore[return-value]
 
     def is_set(self) -> bool:
-        return bool(os.environ.get(self.name))
+        return self._raw() is not None
 
 
 SGL_ATOM_CPU_MODE = EnvVar(

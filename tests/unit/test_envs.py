@@ -57,3 +57,25 @@ def test_integer_variable_is_checked(monkeypatch):
     monkeypatch.setenv("SGL_ATOM_SERVER_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="SGL_ATOM_SERVER_TIMEOUT='soon' is not an integer"):
         envs.SGL_ATOM_SERVER_TIMEOUT.get()
+
+
+def test_sglang_spelling_is_read(monkeypatch):
+    """SGLang warns "SGL_ATOM_X is deprecated, please use SGLANG_ATOM_X": that spelling works."""
+    var = envs.SGL_ATOM_SERVER_TIMEOUT
+    monkeypatch.delenv(var.name, raising=False)
+    monkeypatch.delenv(var.sglang_name, raising=False)
+    assert var.sglang_name == "SGLANG_ATOM_SERVER_TIMEOUT"
+    assert var.get() == var.default and not var.is_set()
+    monkeypatch.setenv(var.sglang_name, "17")
+    assert var.get() == 17 and var.is_set()
+    monkeypatch.setenv(var.name, "17")  # SGLang's copy: both set, the same value
+    assert var.get() == 17
+
+
+def test_own_spelling_wins(monkeypatch):
+    """A parent process that imported SGLang holds a copy under SGLANG_ATOM_X; a child given a
+    new SGL_ATOM_X reads the new value."""
+    var = envs.SGL_ATOM_LOG_LEVEL
+    monkeypatch.setenv(var.sglang_name, "info")
+    monkeypatch.setenv(var.name, "debug")
+    assert var.get() == "debug"
