@@ -28,13 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from sgl_atom import envs
+from sgl_atom.attention import decode_tuning
 from sgl_atom.kernels.common import num_sms
 from sgl_atom.kernels.paged_attention import decode_num_splits
+from sgl_atom.log import get_logger
 from sgl_atom.speculative.dspark import reference as ref
 from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 from sgl_atom.speculative.dspark.markov import markov_refine
 from sgl_atom.speculative.dspark.pool import attention_q_dtype
 from sgl_atom.speculative.dspark.weights import check_draft_weights
+
+logger = get_logger("sgl_atom.speculative")
 
 MIN_ROPE_POSITIONS = 4096  # first RoPE table length; it doubles past the positions asked for
 
@@ -54,6 +59,7 @@ class AtomDSparkDraftModel(nn.Module):
         self.dspark = DSparkDraftConfig.from_hf_dict(raw)
         self.w: dict[str, torch.Tensor] = {}
         self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tilings: dict[tuple, decode_tuning.DecodeTuning] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
@@ -147,6 +153,7 @@ class AtomDSparkDraftModel(nn.Module):
             ks,
             vs,
             num_splits=blk.num_splits,
+            **blk.tiling,
         ).to(q.dtype)
         x = x + attn.reshape(x.shape[0], -1) @ self.w[p + "self_attn.o_proj.weight"].T
         h = self._norm(x, p + "post_attention_layernorm.weight")
@@ -155,6 +162,38 @@ class AtomDSparkDraftModel(nn.Module):
         return x + (torch.nn.functional.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
 
     # ------------------------------------------------------------- propose
+
+    def block_tiling(
+        self, kv_dtype: torch.dtype, device: torch.device
+    ) -> decode_tuning.DecodeTuning:
+        """The tiling of the block attention over a ``kv_dtype`` pool: on CUDA the device's
+        target-verify tiling for that KV kind (``SGL_ATOM_DECODE_TUNING``, else the committed
+        file of the device, else the launcher's defaults), as the atom backend launches the
+        target's verify, whose tiles are of the same kind (a KV head's query rows of every
+        block token: 16 here at k = 4 and GQA 4, 20 for the target's k + 1); the launcher's
+        defaults on CPU. A file's fp8 ``kv_mode`` that the draft's query dtype cannot take is
+        refused here, at the first pass (start-up's graph capture)."""
+        q_dtype = attention_q_dtype(kv_dtype, self.dtype)
+        key = (device, kv_dtype, q_dtype)
+        if key in self._tilings:
+            return self._tilings[key]
+        tiling = decode_tuning.DecodeTuning()
+        if device.type == "cuda":
+            kv = "fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"
+            name = torch.cuda.get_device_name(device)
+            path = envs.SGL_ATOM_DECODE_TUNING.get()
+            tiling, source = decode_tuning.load(kv, name, path, "verify")
+            if kv == "fp8":
+                decode_tuning.check_kv_mode(tiling, q_dtype, source)
+            logger.info(
+                "ATOM_DSPARK draft block attention (%s KV on %s): %s, from %s",
+                kv,
+                name,
+                tiling.describe(),
+                source,
+            )
+        self._tilings[key] = tiling
+        return tiling
 
     @torch.no_grad()
     def base_logits(
@@ -190,7 +229,9 @@ class AtomDSparkDraftModel(nn.Module):
         # lengths: the block attention's kernels see the same split count at every step of a
         # batch size, so growing contexts do not make Triton compile new variants (the target's
         # verify runs in CUDA graphs, compiled at capture)
-        splits = decode_num_splits(batch, cfg.num_key_value_heads, pool.slots, num_sms(lens.device))
+        tiling = self.block_tiling(pool.k_all[0].dtype, lens.device)
+        sms = num_sms(lens.device)
+        splits = decode_num_splits(batch, cfg.num_key_value_heads, pool.slots, sms, tiling.waves)
         blk = _Block(
             positions=positions,
             max_pos=max_context + q - 1,
@@ -200,6 +241,7 @@ class AtomDSparkDraftModel(nn.Module):
             kv_lens=(lens + q).to(torch.int32),
             ops=kernel_ops(anchors.device),
             num_splits=splits,
+            tiling=tiling.kernel_kwargs(),
         )
         x = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype)
         for i in range(cfg.num_hidden_layers):
@@ -228,6 +270,7 @@ class _Block:
     kv_lens: torch.Tensor  # [batch] int32 n + k
     ops: Any  # sgl_atom.attention.kernel_ops.KernelOps
     num_splits: int  # the block attention's context splits (fixed per batch size)
+    tiling: dict  # the block attention's kernel tiling (the device's verify tiling)
 
 
 def _rope_tables(cfg: DSparkDraftConfig, device, dtype: torch.dtype, n: int):

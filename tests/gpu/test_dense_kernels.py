@@ -329,6 +329,32 @@ def test_committed_verify_tilings(label, tiling, num_draft, report):
     report(f"GPU verify {label} {tiling or 'defaults'} draft {num_draft}: rel err {err:.1e}")
 
 
+@pytest.mark.parametrize("label,tiling", VERIFY_TILINGS, ids=[t[0] for t in VERIFY_TILINGS])
+def test_committed_verify_tilings_as_the_draft_block(label, tiling, report):
+    """The same tilings as the DSpark draft launches them for its block attention
+    (``AtomDSparkDraftModel.block_tiling``): non-causal, k = 4 block rows, a page-size-1 table
+    over shuffled slots, 32 q / 8 KV heads, split 1..8 ways, against float64."""
+    tiling = dict(tiling)
+    dtype = FP8 if tiling.pop("kv") == "fp8" else torch.bfloat16
+    lens, block = [4096, 4, 3001], 4
+    kc, vc, ks, vs, table, sl = paged_kv(lens, 8, 128, 16, dtype, DEV, seed=7)
+    # the same rows through a page-size-1 table, as the draft's block_page_table builds it
+    slots = table.long()[:, :, None] * 16 + torch.arange(16, device=DEV)
+    table1 = slots.reshape(len(lens), -1).to(torch.int32).contiguous()
+    q = queries(len(lens) * block, 32, 128, DEV, seed=8)
+    rows = torch.arange(len(lens), device=DEV).repeat_interleave(block)
+    ref = pa.reference_decode(q, kc, vc, table1[rows].contiguous(), sl[rows].contiguous(), 1,
+                              128**-0.5, ks, vs)  # fmt: skip
+    for splits in (1, 3, 8):
+        out = pa.verify_fwd(
+            q, kc, vc, table1, sl, 1, 128**-0.5, block, out=poisoned(q.shape, q.dtype, DEV),
+            k_scale=ks, v_scale=vs, num_splits=splits, causal=False, **tiling,
+        )  # fmt: skip
+        assert_close_rel(out, ref, TUNED_TOL, f"splits {splits}")
+    err = rel_err(out, ref)
+    report(f"GPU draft block {label} {tiling or 'defaults'}: rel err {err:.1e}")
+
+
 @pytest.mark.parametrize(
     "kv_mode,with_new,prefix_dequant",
     [(m, w, "off") for m in ("bits", "pairs", "f16pairs") for w in (False, True)]

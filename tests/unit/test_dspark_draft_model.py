@@ -362,3 +362,86 @@ def test_draft_graph_sizes_follow_the_target_graphs_on_cuda_only():
     assert capture_sizes("cuda", [], 8) == []  # --disable-cuda-graph: SGLang captured none
     assert capture_sizes("cuda", [4, 1, 2, 16, 8, 2], 8) == [1, 2, 4, 8]
     assert capture_sizes(torch.device("cuda", 0), [1, 64], 32) == [1]
+
+
+def _tuning_file(tmp_path, fp8_mode: str) -> Path:
+    """A device tuning file whose verify entries differ from the launcher's defaults."""
+    entry = dict(block_n=32, num_warps=4, num_stages=2, waves=3.0)
+    data = {
+        "decode": {"bf16": dict(block_n=64), "fp8": dict(block_n=128)},
+        "verify": {"bf16": entry, "fp8": dict(entry, block_n=128, kv_mode=fp8_mode)},
+    }
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_block_attention_takes_the_devices_verify_tiling(model, tmp_path, monkeypatch, kv):
+    """On CUDA the draft's block attention launches the tuning file's verify tiling of its
+    pool's KV kind (the kind of tile the target's verify has); on CPU the launcher's defaults."""
+    from sgl_atom.attention.decode_tuning import DecodeTuning
+
+    monkeypatch.setenv("SGL_ATOM_DECODE_TUNING", str(_tuning_file(tmp_path, "f16pairs")))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA Test GPU")
+    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    m.load_weights(model.w.items())
+    m.place("cpu", torch.bfloat16)
+    got = m.block_tiling(kv_dtype, torch.device("cuda"))
+    want = dict(block_n=32 if kv == "bf16" else 128, num_warps=4, num_stages=2)
+    if kv == "fp8":
+        want["kv_mode"] = "f16pairs"
+    assert got.kernel_kwargs() == want and got.waves == 3.0
+    assert m.block_tiling(kv_dtype, torch.device("cpu")) == DecodeTuning()
+
+
+def test_block_tiling_refuses_a_kv_mode_the_drafts_queries_cannot_take(
+    model, tmp_path, monkeypatch
+):
+    """ "bits" reads fp8 K/V against bf16 queries only: an fp16 draft over an fp8 pool is
+    refused at its first pass (graph capture at start-up), naming the file."""
+    from sgl_atom.attention.decode_tuning import DecodeTuningError
+
+    path = _tuning_file(tmp_path, "bits")
+    monkeypatch.setenv("SGL_ATOM_DECODE_TUNING", str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA Test GPU")
+    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
+    m.load_weights(model.w.items())
+    m.place("cpu", torch.float16)
+    with pytest.raises(DecodeTuningError, match=f"{path}.*'bits' needs a bf16 q"):
+        m.block_tiling(torch.float8_e4m3fn, torch.device("cuda"))
+
+
+def test_the_pass_launches_the_block_tiling(model, monkeypatch):
+    """What block_tiling answers reaches every layer's block attention launch, and its waves
+    the split plan."""
+    import dataclasses
+
+    from sgl_atom.kernels.paged_attention import decode_num_splits
+
+    import sgl_atom.attention.kernel_ops as ko
+    from sgl_atom.attention.decode_tuning import DecodeTuning
+
+    monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", "reference")
+    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
+    m.load_weights(model.w.items())
+    m.place("cpu", torch.bfloat16)
+    tiling = DecodeTuning(block_n=32, num_warps=2, waves=7.0)
+    monkeypatch.setattr(m, "block_tiling", lambda *_: tiling)
+    seen, real = [], ko.REFERENCE.block
+
+    def block(*args, **kw):
+        seen.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ko, "REFERENCE", dataclasses.replace(ko.REFERENCE, block=block))
+    case = Case(m, "bf16", seed=17)
+    case.write_context(m)
+    m.base_logits(**case.pass_args(m))
+    assert len(seen) == m.dspark.num_hidden_layers
+    sms = 132  # num_sms' count for a CPU device
+    splits = decode_num_splits(len(case.LENS), m.dspark.num_key_value_heads,
+                               case.pool.slots, sms, 7.0)  # fmt: skip
+    for kw in seen:
+        assert kw["block_n"] == 32 and kw["num_warps"] == 2 and kw["num_splits"] == splits

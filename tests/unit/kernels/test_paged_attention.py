@@ -294,7 +294,7 @@ def test_verify(case, num_draft):
 
 @pytest.mark.parametrize(
     "case,kv_mode",
-    [(CASES[1], None), (CASES[1], "f16pairs"), (CASES[2], None)],
+    [(CASES[1], None), (CASES[1], "f16pairs"), (CASES[2], None), ((1, 8, 2, 128, FP8), "f16pairs")],
     ids=lambda v: _id(v) if isinstance(v, tuple) else str(v),
 )
 def test_verify_non_causal(case, kv_mode):
