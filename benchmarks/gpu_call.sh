@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (see README "On a GPU"): brings SGLang up from the offline
 # bundle in .gpu/, then runs what is asked, logs and results under $OUT.
-#   bash benchmarks/gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
+#   bash benchmarks/gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|draft-block|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack
 # Several modes in one call: GPU_CALL_NESTED=1 for each, then `gpu_call.sh pack` last.
 # GPU_CALL_UNTIL (epoch seconds, e.g. $(( $(date +%s) + 580 )) set once at the call's start) caps
 # each mode's main command so that it ends UNTIL_MARGIN s (default 15) before then: the servers'
 # log tails and the pack still run. An outer `timeout` would kill them with the mode.
-# kernels, tune-decode, tune-verify, tune-kernels, ncu-decode and sparse-scoring need torch and
+# kernels, tune-decode, tune-verify, tune-kernels, ncu-decode, sparse-scoring and draft-block need torch and
 # Triton only: they run on part 1 alone (the first call of the two-call routine), or with no
 # bundle at all.
 # tune-kernels writes the measured decode tuning into a copy of the committed tuning file (its
@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: gpu_call.sh WHAT [args]}; shift
 case "$what" in
-  kernels|tune-decode|tune-verify|tune-kernels|ncu-decode|sparse-scoring)
+  kernels|tune-decode|tune-verify|tune-kernels|ncu-decode|sparse-scoring|draft-block)
     # shellcheck disable=SC1091
     source "${GPU_BUNDLE:-.gpu}/device-env.sh" || {
       echo "gpu_call: SGLang bundle incomplete; $what needs torch and Triton only"
@@ -116,6 +116,10 @@ case "$what" in
     (cd benchmarks && capped 240 python3 probe_int4_scoring.py) 2>&1 | tee "$OUT/probe_int4_scoring.log"
     (cd benchmarks && capped 300 python3 bench_sparse_attention.py --out "$OUT" --contexts 131072 --index fp8,int4,int4-f16 "$@") \
       2>&1 | tee "$OUT/sparse_attention.log" ;;
+  draft-block) # the DSpark draft's block attention: default vs the device's verify tiling, timed
+                # at the 8B shapes, then every committed tiling at that shape against float64
+    python3 benchmarks/bench_draft_block.py --out "$OUT" "$@" 2>&1 | tee "$OUT/draft_block.log"
+    python3 -m pytest -q tests/gpu/test_dense_kernels.py -k draft_block 2>&1 | tee "$OUT/gpu_draft_block_tests.log" ;;
   pack) pack_out ;;  # packs what earlier nested calls left in $OUT (GPU_CALL_NESTED=1 or not)
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   tune-verify) # the verify tiles' registers and occupancy as this Triton compiles them, then timed;
@@ -129,5 +133,5 @@ case "$what" in
     cp /tmp/decode_tuning.json "$OUT/decode_tuning.json" ;;
   nixl) python3 -c 'import nixl._api, nixl; print("nixl", nixl.__file__)' 2>&1 | tee "$OUT/nixl_import.log"
         python3 -m pytest -q tests/gpu/test_nixl_vram.py 2>&1 | tee -a "$OUT/nixl_import.log" ;;
-  *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
+  *) echo "usage: gpu_call.sh all|kernels|tune-kernels|ncu-decode|sparse-scoring|draft-block|tier|bench-quick|bench|bench-m3|bench-pd|bench-spec|tune-decode|tune-verify|nixl|pack [args]"; exit 2 ;;
 esac
