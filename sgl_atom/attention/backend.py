@@ -124,15 +124,9 @@ class AtomAttnBackend(AttentionBackend):
         (defaults on CPU)."""
         if self.on_cpu:
             return decode_tuning.DecodeTuning()
-        name = torch.cuda.get_device_name(torch.device(self.device))
-        kv = "fp8" if self.fp8 else "bf16"
-        path = envs.SGL_ATOM_DECODE_TUNING.get()
-        tuning, source = decode_tuning.load(kv, name, path, section)
-        if self.fp8:
-            decode_tuning.check_kv_mode(tuning, self.data_type, source)
-        logger.info(
-            "atom %s (%s KV on %s): %s, from %s", section, kv, name, tuning.describe(), source
-        )
+        device = torch.device(self.device)
+        tuning, line = decode_tuning.for_device(section, self.fp8, device, self.data_type)
+        logger.info("atom %s %s", section, line)
         return tuning
 
     def _init_sparse(self, cfg):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .. import envs
 from ..kernels.paged_attention.common import KV_MODES, kv_mode_id
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
@@ -129,3 +130,18 @@ def check_kv_mode(tuning: DecodeTuning, q_dtype: torch.dtype, source: str) -> No
         kv_mode_id(tuning.kv_mode, torch.empty(0, dtype=q_dtype))
     except ValueError as e:
         raise DecodeTuningError(f"decode tuning from {source}: {e}") from e
+
+
+def for_device(
+    section: str, fp8: bool, device: torch.device, q_dtype: torch.dtype
+) -> tuple[DecodeTuning, str]:
+    """(tuning, a line for the log) of ``section`` that the atom kernels launch on the CUDA
+    ``device`` over bf16 or fp8 KV with ``q_dtype`` queries: ``SGL_ATOM_DECODE_TUNING``, else
+    the device's committed file, else the launcher's defaults. An fp8 ``kv_mode`` that
+    ``q_dtype`` cannot take is refused (DecodeTuningError naming the file)."""
+    kv = "fp8" if fp8 else "bf16"
+    name = torch.cuda.get_device_name(device)
+    tuning, source = load(kv, name, envs.SGL_ATOM_DECODE_TUNING.get(), section)
+    if fp8:
+        check_kv_mode(tuning, q_dtype, source)
+    return tuning, f"({kv} KV on {name}): {tuning.describe()}, from {source}"

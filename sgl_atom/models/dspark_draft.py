@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from sgl_atom import envs
 from sgl_atom.attention import decode_tuning
 from sgl_atom.kernels.common import num_sms
 from sgl_atom.kernels.paged_attention import decode_num_splits
@@ -179,19 +178,9 @@ class AtomDSparkDraftModel(nn.Module):
             return self._tilings[key]
         tiling = decode_tuning.DecodeTuning()
         if device.type == "cuda":
-            kv = "fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"
-            name = torch.cuda.get_device_name(device)
-            path = envs.SGL_ATOM_DECODE_TUNING.get()
-            tiling, source = decode_tuning.load(kv, name, path, "verify")
-            if kv == "fp8":
-                decode_tuning.check_kv_mode(tiling, q_dtype, source)
-            logger.info(
-                "ATOM_DSPARK draft block attention (%s KV on %s): %s, from %s",
-                kv,
-                name,
-                tiling.describe(),
-                source,
-            )
+            fp8 = kv_dtype == torch.float8_e4m3fn
+            tiling, line = decode_tuning.for_device("verify", fp8, device, q_dtype)
+            logger.info("ATOM_DSPARK draft block attention %s", line)
         self._tilings[key] = tiling
         return tiling
 
