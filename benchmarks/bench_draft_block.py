@@ -3,7 +3,7 @@
 tiling and with the device's target-verify tiling (its tuning file's "verify" entry), against a
 decode step of the same batch.
 
-    python3 benchmarks/bench_draft_block.py [--out DIR]
+    python3 benchmarks/bench_draft_block.py [--out DIR]   (draft_block.{md,json,png} in DIR)
 
 The draft attends as ``AtomDSparkDraftModel`` does: the verify kernel with ``causal=False``,
 k = 4 block rows per request (16 query rows per KV head at 32 q / 8 KV heads, head_dim 128), a
@@ -77,6 +77,31 @@ def run(batch: int, ctx: int, fp8: bool, rows: list, copy: float) -> None:
     torch.cuda.empty_cache()
 
 
+def plot(rows: list, path: str) -> None:
+    """Per KV kind and batch: each draft variant's time over the decode step's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r[0], r[1]) for r in rows}, key=lambda g: (g[0], int(g[1][1:].split()[0])))
+    labels = ["launcher default", "device verify tiling"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, label in enumerate(labels):
+        vals = [
+            next((r[4] for r in rows if (r[0], r[1]) == g and label in r[2]), 0) for g in groups
+        ]
+        xs = [j + (i - 0.5) * 0.38 for j in range(len(groups))]
+        ax.bar(xs, vals, width=0.38, label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(groups)), [f"{kv}\n{shape}" for kv, shape in groups])
+    ax.set_ylabel("time / decode step (same batch, context, KV)")
+    ax.set_title(f"DSpark draft block attention, k = {BLOCK}, page 1, non-causal")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="", help="write draft_block.{md,json} here")
@@ -101,6 +126,10 @@ def main() -> None:
         with open(os.path.join(args.out, "draft_block.json"), "w") as f:
             json.dump(dict(device=device_name(), date=when, command=cmd.strip(), copy_gbs=copy,
                            header=header, rows=rows), f, indent=1)  # fmt: skip
+        try:
+            plot(rows, os.path.join(args.out, "draft_block.png"))
+        except ImportError as e:
+            print(f"[bench_draft_block] no plot: {e}")
 
 
 if __name__ == "__main__":
