@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_paged_attention import kv_bytes, paged  # noqa: E402
 from common import copy_bandwidth, device_name, format_table, import_kernels, time_ms  # noqa: E402
-from tune_decode import HKV, HQ, PAGE, D, rel_err  # noqa: E402
+from tune_decode import GRAPH_CONTEXT, HKV, HQ, PAGE, D, rel_err  # noqa: E402
 
 pa = import_kernels("paged_attention")
 SHAPES = [(1, 4096), (16, 4096), (64, 4096)]
@@ -48,7 +48,7 @@ def run(batch: int, ctx: int, fp8: bool, rows: list, copy: float) -> None:
     dec = tuning(kv, "decode")
     k, v, ks, vs, table, lens = paged(batch, ctx, PAGE, fp8, kv_heads=HKV)
     q1 = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    dsplits = pa.decode_num_splits(batch, HKV, 32768, sms, dec.waves)
+    dsplits = pa.decode_num_splits(batch, HKV, GRAPH_CONTEXT, sms, dec.waves)
     dec_ms = time_ms(lambda: pa.decode_fwd(q1, k, v, table, lens, PAGE, D**-0.5, k_scale=ks,
                                            v_scale=vs, num_splits=dsplits,
                                            **dec.kernel_kwargs()))  # fmt: skip
@@ -104,7 +104,7 @@ def plot(rows: list, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="", help="write draft_block.{md,json} here")
+    ap.add_argument("--out", default="", help="write draft_block.{md,json,png} here")
     args = ap.parse_args()
     copy = copy_bandwidth()
     when = datetime.date.today().isoformat()
