@@ -108,7 +108,12 @@ def main() -> None:
     args = ap.parse_args()
     copy = copy_bandwidth()
     when = datetime.date.today().isoformat()
-    head = f"{device_name()}, {when}, copy {copy:.0f} GB/s"
+    from sgl_atom import envs
+    from sgl_atom.attention import decode_tuning as dt
+
+    path = envs.SGL_ATOM_DECODE_TUNING.get()
+    source = dt.load("bf16", torch.cuda.get_device_name(0), path, "decode")[1]
+    head = f"{device_name()}, {when}, copy {copy:.0f} GB/s, tilings from {source}"
     print(head, flush=True)
     rows: list = []
     for fp8 in (False, True):
