@@ -9,7 +9,7 @@
 # kernels, tune-decode, tune-verify, tune-kernels, ncu-decode, sparse-scoring and draft-block need torch and
 # Triton only: they run on part 1 alone (the first call of the two-call routine), or with no
 # bundle at all.
-# tune-kernels writes the measured decode tuning into a copy of the committed tuning file (its
+# tune-kernels writes the measured decode tuning into a copy of the device's committed tuning file, if any (its
 # verify entry kept; tune-verify likewise keeps the decode one) at
 # $OUT/decode_tuning.json and /tmp/decode_tuning.json (kept while the machine is warm); later
 # calls use it with SGL_ATOM_DECODE_TUNING=/tmp/decode_tuning.json. It then writes the kernel's
@@ -65,6 +65,16 @@ tier_tails() {
   for f in /tmp/sgl_atom-*.log; do [ -f "$f" ] && tail -n 60 "$f"; done > "$OUT/tier_server_tails.log"
   stop_servers
 }
+# the tuning file a sweep writes into: an earlier sweep's (kept while the machine is warm), else a
+# copy of this device's committed file, else none (the sweep starts a new one)
+seed_tuning() {
+  [ -f /tmp/decode_tuning.json ] && return
+  local file
+  file=$(python3 -c 'import torch; from sgl_atom.attention.decode_tuning import device_file
+print(device_file(torch.cuda.get_device_name(0)))')
+  [ -f "$file" ] && cp "$file" /tmp/decode_tuning.json
+  return 0
+}
 kernel_tests() {
   python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_server_tier.py 2>&1 | tee "$OUT/gpu_kernel_tests.log"
 }
@@ -76,7 +86,7 @@ case "$what" in
   kernels) kernel_tests ;;
   tune-kernels)
     # the sweep's decode picks go into a copy of the committed file, its verify entry kept
-    [ -f /tmp/decode_tuning.json ] || cp sgl_atom/attention/tuned/NVIDIA_H200.json /tmp/decode_tuning.json
+    seed_tuning
     python3 benchmarks/tune_decode.py --write-config /tmp/decode_tuning.json "$@" 2>&1 \
       | tee "$OUT/tune_decode.log"
     cp /tmp/decode_tuning.json "$OUT/decode_tuning.json"
@@ -124,10 +134,10 @@ case "$what" in
   tune-decode) python3 benchmarks/tune_decode.py "$@" 2>&1 | tee "$OUT/tune_decode.log" ;;
   tune-verify) # the verify tiles' registers and occupancy as this Triton compiles them, then timed;
                # the best tilings go into a copy of the device's tuning file (the one an earlier
-               # tune-kernels wrote, else the committed one): $OUT/decode_tuning.json and
+               # tune-kernels wrote, else the device's committed one): $OUT/decode_tuning.json and
                # /tmp/decode_tuning.json, for SGL_ATOM_DECODE_TUNING in later calls
     python3 benchmarks/kernel_resources.py --verify > "$OUT/kernel_resources_verify.log" 2>&1
-    [ -f /tmp/decode_tuning.json ] || cp sgl_atom/attention/tuned/NVIDIA_H200.json /tmp/decode_tuning.json
+    seed_tuning
     python3 benchmarks/tune_verify.py --write-config /tmp/decode_tuning.json "$@" 2>&1 \
       | tee "$OUT/tune_verify.log"
     cp /tmp/decode_tuning.json "$OUT/decode_tuning.json" ;;
