@@ -34,12 +34,17 @@ BLOCK = 4  # the draft's k
 POOL_SLOTS = 1 << 20  # the draft pool's capacity: its split plan is made for it
 
 
-def tuning(kv: str, section: str):
+def load_tuning(kv: str, section: str):
+    """(tiling, the file it came from) as the server resolves it on this device."""
     from sgl_atom import envs
     from sgl_atom.attention import decode_tuning as dt
 
     path = envs.SGL_ATOM_DECODE_TUNING.get()
-    return dt.load(kv, torch.cuda.get_device_name(0), path, section)[0]
+    return dt.load(kv, torch.cuda.get_device_name(0), path, section)
+
+
+def tuning(kv: str, section: str):
+    return load_tuning(kv, section)[0]
 
 
 def run(batch: int, ctx: int, fp8: bool, rows: list, copy: float) -> None:
@@ -108,11 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     copy = copy_bandwidth()
     when = datetime.date.today().isoformat()
-    from sgl_atom import envs
-    from sgl_atom.attention import decode_tuning as dt
-
-    path = envs.SGL_ATOM_DECODE_TUNING.get()
-    source = dt.load("bf16", torch.cuda.get_device_name(0), path, "decode")[1]
+    source = load_tuning("bf16", "decode")[1]
     head = f"{device_name()}, {when}, copy {copy:.0f} GB/s, tilings from {source}"
     print(head, flush=True)
     rows: list = []
