@@ -235,8 +235,10 @@ class AtomDSparkDraftModel(nn.Module):
         x = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype)
         for i in range(cfg.num_hidden_layers):
             x = self._block_layer(i, x, blk)
-        logits = (self._norm(x, "norm.weight") @ lm_head.T.to(self.dtype)).view(batch, q, -1)
-        return logits if cfg.sample_from_anchor else logits[:, 1:]
+        h = self._norm(x, "norm.weight").view(batch, q, -1)
+        if not cfg.sample_from_anchor:  # the anchor's row samples nothing: no LM head for it
+            h = h[:, 1:]
+        return h @ lm_head.T.to(self.dtype)
 
     @torch.no_grad()
     def propose(self, *, anchors: torch.Tensor, **pass_args) -> torch.Tensor:

@@ -126,6 +126,23 @@ def served(model):
     return m.place("cpu", torch.bfloat16)
 
 
+def test_a_draft_sampling_after_the_anchor_drafts_k_rows(model):
+    """sample_from_anchor false: k + 1 query rows, the anchor's row attends but gets no logits;
+    the k others match the float64 reference."""
+    raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
+    m = AtomDSparkDraftModel({**raw, "sample_from_anchor": False})
+    m.load_weights(model.w.items())
+    m = m.place("cpu", torch.bfloat16)
+    assert m.dspark.query_len == m.dspark.block_size + 1
+    case = Case(m, "bf16", seed=13)
+    case.write_context(m)
+    base = m.base_logits(**case.pass_args(m))
+    assert base.shape == (len(case.LENS), m.dspark.block_size, m.dspark.vocab_size)
+    want = case.reference(model.w, m.dspark)
+    for b, n in enumerate(case.LENS):
+        assert_close_rel(base[b], want[b], TOL["bf16"], what=f"base logits, context {n}")
+
+
 @pytest.mark.parametrize("kernels", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_batched_propose_matches_the_float64_reference(model, served, dtype, kernels, monkeypatch):
