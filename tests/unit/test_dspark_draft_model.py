@@ -32,6 +32,15 @@ def model():
     return m
 
 
+def placed(model, dtype: torch.dtype, **config) -> AtomDSparkDraftModel:
+    """A fresh draft of the chain config (``config`` overriding its fields) with ``model``'s
+    weights, placed on the CPU at ``dtype``."""
+    raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
+    m = AtomDSparkDraftModel({**raw, **config})
+    m.load_weights(model.w.items())
+    return m.place("cpu", dtype)
+
+
 def test_load_refuses_missing_and_unexpected_tensors(model):
     w = dict(model.w)
     w.pop("norm.weight")
@@ -121,18 +130,13 @@ TOL = {"bf16": 1.5e-2, "fp8": 4e-2}  # measured: 7-8e-3 and 1.1-1.9e-2
 @pytest.fixture
 def served(model):
     """The draft at bf16 (the served dtype), the float64 oracle's weights beside it."""
-    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
-    m.load_weights(model.w.items())
-    return m.place("cpu", torch.bfloat16)
+    return placed(model, torch.bfloat16)
 
 
 def test_a_draft_sampling_after_the_anchor_drafts_k_rows(model):
     """sample_from_anchor false: k + 1 query rows, the anchor's row attends but gets no logits;
     the k others match the float64 reference."""
-    raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
-    m = AtomDSparkDraftModel({**raw, "sample_from_anchor": False})
-    m.load_weights(model.w.items())
-    m = m.place("cpu", torch.bfloat16)
+    m = placed(model, torch.bfloat16, sample_from_anchor=False)
     assert m.dspark.query_len == m.dspark.block_size + 1
     case = Case(m, "bf16", seed=13)
     case.write_context(m)
@@ -263,9 +267,7 @@ def test_bf16_pool_under_an_fp16_draft(model, monkeypatch, kernels):
     from sgl_atom.speculative.dspark.pool import check_block_attention
 
     monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", kernels)
-    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
-    m.load_weights(model.w.items())
-    m.place("cpu", torch.float16)
+    m = placed(model, torch.float16)
     case = Case(m, "bf16", seed=13)
     assert case.pool.k_all[0].dtype == torch.bfloat16 and case.pool.compute_dtype == torch.float16
     check_block_attention(m.dspark, case.pool)  # no refusal
@@ -401,10 +403,8 @@ def test_block_attention_takes_the_devices_verify_tiling(model, tmp_path, monkey
 
     monkeypatch.setenv("SGL_ATOM_DECODE_TUNING", str(_tuning_file(tmp_path, "f16pairs")))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA Test GPU")
-    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
+    m = placed(model, torch.bfloat16)
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-    m.load_weights(model.w.items())
-    m.place("cpu", torch.bfloat16)
     got = m.block_tiling(kv_dtype, torch.device("cuda"))
     want = dict(block_n=32 if kv == "bf16" else 128, num_warps=4, num_stages=2)
     if kv == "fp8":
@@ -423,9 +423,7 @@ def test_block_tiling_refuses_a_kv_mode_the_drafts_queries_cannot_take(
     path = _tuning_file(tmp_path, "bits")
     monkeypatch.setenv("SGL_ATOM_DECODE_TUNING", str(path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA Test GPU")
-    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
-    m.load_weights(model.w.items())
-    m.place("cpu", torch.float16)
+    m = placed(model, torch.float16)
     with pytest.raises(DecodeTuningError, match=f"{path}.*'bits' needs a bf16 q"):
         m.block_tiling(torch.float8_e4m3fn, torch.device("cuda"))
 
@@ -441,9 +439,7 @@ def test_the_pass_launches_the_block_tiling(model, monkeypatch):
     from sgl_atom.attention.decode_tuning import DecodeTuning
 
     monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", "reference")
-    m = AtomDSparkDraftModel(json.loads((DSPARK_CHAIN / "config.json").read_text()))
-    m.load_weights(model.w.items())
-    m.place("cpu", torch.bfloat16)
+    m = placed(model, torch.bfloat16)
     tiling = DecodeTuning(block_n=32, num_warps=2, waves=7.0)
     monkeypatch.setattr(m, "block_tiling", lambda *_: tiling)
     seen, real = [], ko.REFERENCE.block
