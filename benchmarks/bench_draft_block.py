@@ -66,16 +66,18 @@ def run(batch: int, ctx: int, fp8: bool, rows: list, copy: float) -> None:
     rep = torch.arange(nb, device="cuda").repeat_interleave(BLOCK)
     ref = pa.reference_decode(q[: nb * BLOCK], k, v, table1[rep].contiguous(),
                               lens[rep].contiguous(), 1, D**-0.5, ks, vs)  # fmt: skip
-    for label, t in (("launcher default", None), ("device verify tiling", tuning(kv, "verify"))):
-        kw = t.kernel_kwargs() if t is not None else {}
-        waves = t.waves if t is not None else 2.0
-        kw["num_splits"] = pa.decode_num_splits(batch, HKV, POOL_SLOTS, sms, waves)
+    from sgl_atom.attention.decode_tuning import DecodeTuning
+
+    default = DecodeTuning()  # the launcher's defaults
+    for label, t in (("launcher default", default), ("device verify tiling", tuning(kv, "verify"))):
+        kw = t.kernel_kwargs()
+        kw["num_splits"] = pa.decode_num_splits(batch, HKV, POOL_SLOTS, sms, t.waves)
         args = (q, k, v, table1, lens, 1, D**-0.5, BLOCK)
         out = pa.verify_fwd(*args, k_scale=ks, v_scale=vs, causal=False, **kw)
         err = rel_err(out[: nb * BLOCK], ref)
         ms = time_ms(lambda: pa.verify_fwd(*args, k_scale=ks, v_scale=vs, causal=False, **kw))
         gbs = kv_bytes(batch, ctx, fp8, kv_heads=HKV) / ms / 1e6
-        desc = f"draft block, page 1, {label}" + (f" ({t.describe()})" if t is not None else "")
+        desc = f"draft block, page 1, {label}" + (f" ({t.describe()})" if t != default else "")
         rows.append([kv, f"b{batch} x {ctx}", desc, ms, ms / dec_ms, f"{err:.1e}"])
         print(f"  {kv} b{batch}: {desc}: {ms:.4f} ms ({gbs / copy:.2f} of copy) "
               f"x{ms / dec_ms:.2f} of decode, err {err:.1e}", flush=True)  # fmt: skip
