@@ -142,6 +142,14 @@ SGL_ATOM_DSPARK_FUSED_MARKOV = EnvVar(
     "base logits and argmax; kernels/draft_markov) rather than a GEMM, an add and an argmax "
     "(0: the unfused torch ops).",
 )
+SGL_ATOM_DSPARK_HOST_SEQ_LENS = EnvVar(
+    "SGL_ATOM_DSPARK_HOST_SEQ_LENS",
+    False,
+    "ATOM_DSPARK under overlap scheduling: keep SGLang's host copy of each step's sequence "
+    "lengths, for which the scheduler waits on every verify before it prepares the next step "
+    "(default off: the lengths stay on the device and the atom backend sizes its tables from "
+    "the requests' allocated KV on the host).",
+)
 SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
     "SGL_ATOM_PD_TRANSFER_TIMEOUT",
     60,
@@ -220,6 +228,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_DSPARK_FAULT,
     SGL_ATOM_DSPARK_DRAFT_GRAPHS,
     SGL_ATOM_DSPARK_FUSED_MARKOV,
+    SGL_ATOM_DSPARK_HOST_SEQ_LENS,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
     SGL_ATOM_PD_TRANSFER_LOG,

@@ -185,7 +185,7 @@ class AtomAttnBackend(AttentionBackend):
         if mode.is_target_verify():
             num_draft = int(forward_batch.spec_info.draft_token_num)
             kv_lens = (seq_lens + num_draft).to(torch.int32)
-            max_kv = int(forward_batch.seq_lens_cpu.max()) + num_draft
+            max_kv = self._max_len(forward_batch) + num_draft
             qo_indptr = torch.arange(
                 0, (bs + 1) * num_draft, num_draft, dtype=torch.int32, device=seq_lens.device
             )
@@ -199,13 +199,13 @@ class AtomAttnBackend(AttentionBackend):
             )
         elif mode.is_decode():
             kv_lens = seq_lens.to(torch.int32)
-            max_kv = int(forward_batch.seq_lens_cpu.max())
+            max_kv = self._max_len(forward_batch)
             meta = ForwardMetadata(
                 self._page_table(forward_batch.req_pool_indices, max_kv), kv_lens, max_kv
             )
         else:
             kv_lens = seq_lens.to(torch.int32)
-            max_kv = int(forward_batch.seq_lens_cpu.max())
+            max_kv = self._max_len(forward_batch)
             ext = forward_batch.extend_seq_lens.to(torch.int32)
             qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=seq_lens.device)
             qo_indptr[1:] = torch.cumsum(ext, 0)
@@ -217,13 +217,26 @@ class AtomAttnBackend(AttentionBackend):
                 qo_indptr,
                 int(max_qo),
             )
-            if self.fp8 and not self.per_tensor_fp8:
+            if self.fp8 and not self.per_tensor_fp8 and forward_batch.seq_lens_cpu is not None:
                 meta.prefix_plan = self._prefix_plan(forward_batch, meta)
         if (mode.is_decode() or mode.is_target_verify()) and not self.on_cpu:
             # on CPU (Triton's interpreter) programs run one after another: splitting the
             # context only adds work
             meta.num_splits = self._num_splits(bs, max_kv, mode.is_decode())
         self.forward_metadata = meta
+
+    def _max_len(self, forward_batch) -> int:
+        """The batch's longest sequence as the host knows it, never read from the device (that
+        would wait for the queued work): SGLang's host lengths, else, where a speculative
+        decode under overlap scheduling keeps them on the device, the upper bound its worker
+        sets in ``max_seq_len_host`` (ATOM_DSPARK: the requests' allocated KV), else the
+        model's context length. A bound only widens the page table; the kernels read each
+        sequence to its own length."""
+        lens = forward_batch.seq_lens_cpu
+        if lens is not None:
+            return int(lens.max()) if lens.numel() else 0
+        bound = getattr(forward_batch, "max_seq_len_host", None)
+        return self.max_context_len if bound is None else int(bound)
 
     def _prefix_plan(self, forward_batch, meta: ForwardMetadata) -> PrefixDequant | None:
         """The bf16 workspace an fp8 extend dequantizes its cached prefixes into (with its new
@@ -266,9 +279,10 @@ class AtomAttnBackend(AttentionBackend):
         # length): enough programs to fill the GPU at that batch for the longest context, not
         # MAX_SPLITS, whose tiny chunks cost a partial write and a merge per 64 keys (at 64
         # requests x 4K context: 65536 programs and 134 MB of fp32 partials per layer).
-        bs, pages = meta.page_table.shape
         st = self.graph_state
-        st["page_table"][:bs, :pages].copy_(meta.page_table)
+        bs, pages = meta.page_table.shape
+        pages = min(pages, st["page_table"].shape[1])  # the graph reads max_context_len keys
+        st["page_table"][:bs, :pages].copy_(meta.page_table[:, :pages])
         st["kv_lens"][:bs].copy_(meta.kv_lens)
         meta.page_table = st["page_table"][:bs]
         meta.kv_lens = st["kv_lens"][:bs]

@@ -285,6 +285,79 @@ def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
     assert _rel(out, ref) < (2e-2 if kv_dtype == torch.bfloat16 else 8e-2)
 
 
+class _HostOnly(torch.Tensor):
+    """Sequence lengths as the device holds them: reading a value on the host is a failure
+    (on a GPU it would wait for the queued work)."""
+
+    def __int__(self):
+        raise AssertionError("the backend read a device length on the host")
+
+    def max(self, *args, **kwargs):
+        if not args and not kwargs:
+            raise AssertionError("the backend took the max of the device lengths")
+        return super().max(*args, **kwargs)
+
+    def item(self):
+        raise AssertionError("the backend read a device length on the host")
+
+    def tolist(self):
+        raise AssertionError("the backend read the device lengths on the host")
+
+
+@pytest.mark.parametrize("bound", [None, 40, 300], ids=["no-bound", "bound", "past-the-row"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+def test_verify_with_the_lengths_on_the_device_only(bound, graphs):
+    """A speculative decode under overlap scheduling without SGLang's host lengths
+    (``seq_lens_cpu`` None): the page table is sized from the worker's host bound
+    (``max_seq_len_host``), or the context length without one, never from the device, and the
+    verify attends as with the host lengths; a bound past the ``req_to_token`` row (wider than
+    the context) fits the static buffers."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_atom.attention.backend import AtomAttnBackend
+
+    torch.manual_seed(5)
+    runner = _runner(16, torch.bfloat16)
+    runner.req_to_token_pool.req_to_token = torch.zeros(4, 256 + 16, dtype=torch.int32)
+    backend = AtomAttnBackend(runner)
+    hist = {
+        r: (
+            torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
+            torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
+        )
+        for r in (0, 1)
+    }
+    _assign_pages(runner, 0, 34, [5, 2, 11])
+    _assign_pages(runner, 1, 34, [7, 9, 3])
+    _run(backend, runner, "EXTEND", [0, 1], [0, 0], [30, 30], hist)
+    if graphs:
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+    q = torch.randn(8, HEADS, DIM, dtype=torch.bfloat16)
+    k = torch.cat([hist[r][0][30:34] for r in (0, 1)])
+    v = torch.cat([hist[r][1][30:34] for r in (0, 1)])
+    outs = []
+    for host in (True, False):
+        fb = _batch(runner, "EXTEND", [0, 1], [30, 30], [4, 4])
+        fb.forward_mode = ForwardMode.TARGET_VERIFY
+        fb.seq_lens = torch.tensor([30, 30])
+        fb.seq_lens_cpu = fb.seq_lens.clone() if host else None
+        if not host:
+            fb.seq_lens = fb.seq_lens.as_subclass(_HostOnly)
+            fb.max_seq_len_host = bound
+        fb.spec_info = SimpleNamespace(draft_token_num=4)
+        if graphs:
+            backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        else:
+            backend.init_forward_metadata(fb)
+        if not host and not graphs:
+            assert backend.forward_metadata.max_kv_len == (bound or 256) + 4
+        out = backend.forward_extend(q.view(8, -1), k, v, LAYER, fb).view(8, HEADS, DIM)
+        outs.append(out.clone())
+    ref = torch.cat([_expected(q[4 * r : 4 * r + 4], *hist[r], [30, 31, 32, 33]) for r in (0, 1)])
+    assert _rel(outs[0], ref) < 2e-2
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "backends, kv_dtype, grows",
     [

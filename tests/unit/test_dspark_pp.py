@@ -110,6 +110,37 @@ def test_registered_with_overlap_support():
     assert get_spec(NAME).supports_overlap
 
 
+@pytest.mark.parametrize(
+    "env, tbo, host",
+    [(None, False, False), ("1", False, True), (None, True, True), ("0", False, False)],
+    ids=["default", "env", "two-batch-overlap", "env-off"],
+)
+def test_future_map_keeps_the_lengths_on_the_device(monkeypatch, env, tbo, host):
+    """SGLang asks every n-gram-style algorithm for a host copy of each step's lengths, a wait
+    on every verify under overlap scheduling; ATOM_DSPARK's map asks for none unless
+    SGL_ATOM_DSPARK_HOST_SEQ_LENS does or two-batch overlap needs it, whatever SGLang passed."""
+    import sglang.srt.managers.overlap_utils as overlap_utils
+    import sglang.srt.runtime_context as rc
+
+    made = {}
+
+    def future_map(device, spec, pool, needs_cpu_seq_lens, needs_confidence_relay):
+        made.update(spec=spec, needs_cpu_seq_lens=needs_cpu_seq_lens)
+        return made
+
+    monkeypatch.setattr(overlap_utils, "FutureMap", future_map)
+    bag = SimpleNamespace(overlap=SimpleNamespace(enable_two_batch_overlap=tbo))
+    monkeypatch.setattr(rc, "get_exec", lambda: bag)
+    if env is None:
+        monkeypatch.delenv("SGL_ATOM_DSPARK_HOST_SEQ_LENS", raising=False)
+    else:
+        monkeypatch.setenv("SGL_ATOM_DSPARK_HOST_SEQ_LENS", env)
+    algo = _algo()
+    with rc.get_parallel().override(pp_size=1):
+        algo.create_future_map("cpu", None, needs_cpu_seq_lens=True)
+    assert made == {"spec": algo, "needs_cpu_seq_lens": host}
+
+
 def test_pp_with_sglang_pp_spec_relay_is_refused(monkeypatch):
     monkeypatch.setenv("SGLANG_ENABLE_PP_SPEC", "1")
     with pytest.raises(ValueError, match="unset SGLANG_ENABLE_PP_SPEC"):

@@ -47,7 +47,7 @@ def worker(n, max_bs):
     return w
 
 
-def build(w, case, grammar):
+def build(w, case, grammar, host_lens=True):
     bs, reqs, seq_lens, pool_idx, req_to_token, drafts, relayed = case
     w._propose = lambda b, anchors: drafts
     for buf in (w.draft_tokens, w.positions, w.retrieve_indexes, w.retrieve_next_token,
@@ -55,7 +55,7 @@ def build(w, case, grammar):
         buf.fill_(-99)  # poisoned: every value read must be written by this step
     b = types.SimpleNamespace(
         forward_mode=ForwardMode.DECODE, reqs=reqs, seq_lens=seq_lens.clone(),
-        seq_lens_cpu=seq_lens.clone(), req_pool_indices=pool_idx.clone(),
+        seq_lens_cpu=seq_lens.clone() if host_lens else None, req_pool_indices=pool_idx.clone(),
         req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
         has_grammar=grammar, spec_info=relayed, input_ids=None, out_cache_loc=None)
     w._prepare_for_speculative_decoding(b)
@@ -64,6 +64,10 @@ def build(w, case, grammar):
     assert s.draft_token_num == w.draft_token_num
     got = (b.input_ids, b.out_cache_loc, s.draft_token, s.custom_mask, s.positions,
            s.retrieve_index, s.retrieve_next_token, s.retrieve_next_sibling)
+    # the host bound the atom backend sizes its page table from when the lengths stay on the
+    # device: each request's allocated KV, at most a req_to_token row
+    alloc = max(r.kv.kv_allocated_len for r in reqs)
+    assert b.max_seq_len_host == min(alloc, req_to_token.shape[1]), b.max_seq_len_host
     return {k: t.clone() for k, t in zip(FIELDS, got)}
 
 
@@ -75,9 +79,12 @@ for _ in range(int(sys.argv[2])):
     pool_idx = torch.tensor(rng.sample(range(2 * max_bs), bs))
     req_to_token = torch.randperm(2 * max_bs * width).reshape(2 * max_bs, width)
     # a step behind, as under overlap: ids the anchors must not come from
+    # SGLang allocates each request its window and a reserve (here up to past the row)
     reqs = [types.SimpleNamespace(output_ids=[1000 + rng.randrange(1000)] * rng.randint(0, 2),
-                                  origin_input_ids=[1000 + rng.randrange(1000)])
-            for _ in range(bs)]
+                                  origin_input_ids=[1000 + rng.randrange(1000)],
+                                  kv=types.SimpleNamespace(
+                                      kv_allocated_len=int(s) + n + rng.randint(0, 2 * n)))
+            for s in seq_lens.tolist()]
     drafts = torch.randint(0, 1000, (bs, n - 1))
     # the previous step's accepted tokens as relayed: past each accept length, other tokens
     accept_lens = torch.tensor([rng.randint(1, n) for _ in range(bs)], dtype=torch.int32)
@@ -87,8 +94,10 @@ for _ in range(int(sys.argv[2])):
     case = (bs, reqs, seq_lens, pool_idx, req_to_token, drafts, relayed)
     w = worker(n, max_bs)
     dev, host = build(w, case, False), build(worker(n, max_bs), case, True)
+    device_lens = build(worker(n, max_bs), case, False, host_lens=False)  # overlap, no host copy
     for k in FIELDS:
         assert torch.equal(dev[k], host[k]), (k, dev[k], host[k])
+        assert torch.equal(device_lens[k], dev[k]), (k, device_lens[k], dev[k])
     cols = torch.arange(n)
     assert torch.equal(dev["input_ids"].view(bs, n), torch.cat([anchors[:, None], drafts], 1))
     assert torch.equal(dev["pos"].view(bs, n), seq_lens[:, None] + cols)

@@ -46,6 +46,28 @@ def check_pipeline_parallel(server_args) -> None:
         )
 
 
+def host_seq_lens() -> bool:
+    """Whether each decode step's sequence lengths are copied to the host under overlap
+    scheduling (SGLang's FutureMap ``needs_cpu_seq_lens``).
+
+    SGLang turns the copy on for every n-gram-style algorithm, for its n-gram worker's full
+    verify mask (sized per request from the host lengths); it is a wait: the scheduler
+    prepares step N + 1 only after step N's verify has run, so the host's preparation is not
+    hidden behind the GPU. This worker builds no such mask, and the atom backend, which it
+    requires, sizes its tables from a host bound instead (the requests' allocated KV,
+    ``AtomDSparkWorker._bound_lengths``), so the lengths stay on the device unless
+    ``SGL_ATOM_DSPARK_HOST_SEQ_LENS`` asks for the copy or two-batch overlap needs it (it
+    splits batches by the host lengths).
+    """
+    from sglang.srt.runtime_context import get_exec
+
+    from ... import envs
+
+    if envs.SGL_ATOM_DSPARK_HOST_SEQ_LENS.get():
+        return True
+    return bool(get_exec().overlap.enable_two_batch_overlap)
+
+
 class AtomDSparkAlgo(CustomSpecAlgo):
     def is_ngram(self) -> bool:
         return True
@@ -69,9 +91,7 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         # Under PP (a P/D prefill, which never decodes) every stage stashes the relayed first
         # token as a server without a draft does; the n-gram relay wants accept tokens there.
         spec = self if get_parallel().pp_size == 1 else SpeculativeAlgorithm.NONE
-        return FutureMap(
-            device, spec, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
-        )
+        return FutureMap(device, spec, req_to_token_pool, host_seq_lens(), needs_confidence_relay)
 
     def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
         """A P/D decode server's first step: what the worker returns after an extend (the

@@ -73,6 +73,7 @@ from ...log import get_logger
 from ...pool_state import state_of
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
+from .algorithm import host_seq_lens
 from .draft_graphs import DraftGraphs, DraftPass, capture, capture_sizes
 from .forced_accept import FLAG, WARNING, adjusts_logits, forced_accept, forced_acceptance
 from .loader import load_draft, relay_stage_taps
@@ -157,10 +158,13 @@ class AtomDSparkWorker(NGRAMWorker):
         if self.stale_context:
             name = envs.SGL_ATOM_DSPARK_FAULT.name
             logger.warning("%s=stale-context: decoded tokens get no draft context", name)
-        logger.info(
-            "ATOM_DSPARK: overlap scheduling %s",
-            "on" if self.enable_overlap else "off (--disable-overlap-schedule or --pp-size > 1)",
-        )
+        if not self.enable_overlap:
+            overlap = "off (--disable-overlap-schedule or --pp-size > 1)"
+        elif host_seq_lens():
+            overlap = "on, each step's lengths copied to the host (the next step waits for them)"
+        else:
+            overlap = "on, each step's lengths kept on the device"
+        logger.info("ATOM_DSPARK: overlap scheduling %s", overlap)
 
     # ------------------------------------------------------------------ pools
 
@@ -351,6 +355,7 @@ class AtomDSparkWorker(NGRAMWorker):
         (the module global is off around the n-gram call; the scheduler is one thread)."""
         if not batch.forward_mode.is_decode():
             return
+        self._bound_lengths(batch)
         if batch.has_grammar:
             full = ngram_worker.USE_FULL_MASK
             ngram_worker.USE_FULL_MASK = False
@@ -394,11 +399,26 @@ class AtomDSparkWorker(NGRAMWorker):
             draft_token_num=n,
         )
 
-    @staticmethod
-    def _max_seq_len(batch: ScheduleBatch) -> int:
-        """The batch's longest sequence, from SGLang's host copy of the lengths (no sync)."""
+    def _max_seq_len(self, batch: ScheduleBatch) -> int:
+        """The batch's longest sequence as the host knows it (never read from the device):
+        SGLang's host lengths, else the bound of :meth:`_bound_lengths`."""
         lens = batch.seq_lens_cpu
-        return int(lens.max()) if lens is not None and lens.numel() else int(batch.seq_lens.max())
+        if lens is not None:
+            return int(lens.max()) if lens.numel() else 0
+        return self._bound_lengths(batch)
+
+    def _bound_lengths(self, batch: ScheduleBatch) -> int:
+        """An upper bound of every length this decode step reads, known on the host: the KV
+        SGLang allocated each request for this step (``kv_allocated_len``: its committed
+        tokens, one step behind under overlap, plus a reserve of two verify windows), at most
+        a ``req_to_token`` row. Set as the batch's ``max_seq_len_host``, which SGLang's
+        ForwardBatch carries to the attention backend: under overlap scheduling the lengths
+        stay on the device (:func:`..algorithm.host_seq_lens`), and the atom backend sizes
+        its page table from this bound instead."""
+        width = int(batch.req_to_token_pool.req_to_token.shape[1])
+        bound = max((int(r.kv.kv_allocated_len) for r in batch.reqs), default=0)
+        batch.max_seq_len_host = min(bound, width)
+        return batch.max_seq_len_host
 
     def _propose(self, batch: ScheduleBatch, anchors: torch.Tensor) -> torch.Tensor:
         """One draft pass for the whole batch: each request's block attends, through the
