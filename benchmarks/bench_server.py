@@ -26,7 +26,9 @@ draft of real shape under `--atom-dspark-forced-accept N` (rows with "spec": "ds
 "forced_accept", "block", "draft_kv", "overlap", "accept_len", "step_ratio": one draft+verify
 step over one plain decode step of the same run). `--spec-overlap on,off` runs every DSpark
 server under SGLang's overlap scheduling (its default, "overlap": "on") and again with
-`--disable-overlap-schedule` ("off"); `--serial-plain` adds the plain decode without overlap
+`--disable-overlap-schedule` ("off"); "host-lens" runs it under overlap with each step's sequence
+lengths copied to the host (`SGL_ATOM_DSPARK_HOST_SEQ_LENS=1`, a wait on every verify);
+`--serial-plain` adds the plain decode without overlap
 (rows with "spec": "none-serial"; DSpark rows then carry "step_ratio_serial", the step over that
 one). A DSpark row's tokens/s is SGLang's log lines time-weighted (their tokens over their
 summed time, `server_dspark.spec_log_rate`): under overlap scheduling the interval between two
@@ -538,10 +540,11 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
         save(rows)
     plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
     for (k, n), kv, ov in itertools.product(blocks, draft_kvs, overlaps):
-        name = f"{model}_dspark-k{k}-n{n}-{kv}" + ("" if ov == "on" else "-no-overlap")
+        name = f"{model}_dspark-k{k}-n{n}-{kv}" + dspark.OVERLAP_SUFFIX.get(ov, "")
         spec = dspark.spec_server_args(drafts[k], kv, n, ov)
         args = server_args([*base, *spec], workloads, output, cpu, interval)
-        with started(path, args, name, {**env, **dspark.SPEC_ENV}, logs, warm) as srv:
+        srv_env = {**env, **dspark.SPEC_ENV, **dspark.OVERLAP_ENV.get(ov, {})}
+        with started(path, args, name, srv_env, logs, warm) as srv:
             for p, q in zip(plain, serials, strict=True):
                 rows.append(run_spec_workload(srv, p, k, n, kv, q, ov))
                 _print(rows[-1], name.partition("_")[2])
@@ -577,8 +580,9 @@ def bench_chain(args, run_id: str, save=lambda rows: None) -> list[Row]:
         # the differential rate decodes 2N new tokens: the context must hold them
         srv_args = server_args([*base, *spec], loads, 2 * output, args.cpu_smoke, 1, dummy=False)
         label = f"llama-chain_{'plain' if kind == 'none' else 'dspark-' + kind}"
-        label += "" if ov == "on" else "-no-overlap"
-        with started(target, srv_args, label, env, args.logs, 16) as srv:
+        label += dspark.OVERLAP_SUFFIX.get(ov, "")
+        srv_env = {**env, **dspark.OVERLAP_ENV.get(ov, {})}
+        with started(target, srv_args, label, srv_env, args.logs, 16) as srv:
             for batch in batches:
                 ids = dspark.chain_prompts(target, batch, prompt, seed=batch)
                 ttft = generate(srv, ids, 1)
@@ -893,7 +897,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--spec-overlap",
         default="on",
         help="--spec, --spec-chain: the DSpark servers under SGLang's overlap scheduling (on), "
-        "with --disable-overlap-schedule (off), or both (on,off)",
+        "with --disable-overlap-schedule (off), under overlap with each step's lengths copied to "
+        "the host (host-lens: SGL_ATOM_DSPARK_HOST_SEQ_LENS=1), or several (on,off,host-lens)",
     )
     ap.add_argument(
         "--cpu-smoke",
@@ -961,7 +966,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if bad := set(args.spec_overlap.split(",")) - set(dspark.OVERLAP_FLAGS):
-        raise SystemExit(f"--spec-overlap: {sorted(bad)} unknown; give on, off or on,off")
+        raise SystemExit(
+            f"--spec-overlap: {sorted(bad)} unknown; give any of {', '.join(dspark.OVERLAP_FLAGS)}"
+        )
     if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8", "int4"}:
         raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16, fp8 or int4")
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:

@@ -32,13 +32,19 @@ SPEC_RE = re.compile(
 )
 # rows of the plain decode without overlap scheduling (`bench_server.py --serial-plain`)
 SERIAL = "none-serial"
-# a DSpark server under SGLang's overlap scheduling (its default) or without it
-OVERLAP_FLAGS = {"on": [], "off": ["--disable-overlap-schedule"]}
+# a DSpark server under SGLang's overlap scheduling (its default), without it, or under it with
+# each step's lengths copied to the host (SGL_ATOM_DSPARK_HOST_SEQ_LENS: the next step then
+# waits for every verify, as before the lengths stayed on the device)
+OVERLAP_FLAGS = {"on": [], "off": ["--disable-overlap-schedule"], "host-lens": []}
+OVERLAP_ENV = {"host-lens": {"SGL_ATOM_DSPARK_HOST_SEQ_LENS": "1"}}
+OVERLAP_NOTES = {"off": ", no overlap", "host-lens": ", host lengths"}
+OVERLAP_SUFFIX = {"off": "-no-overlap", "host-lens": "-host-lens"}
 
 
 def overlap_note(r: dict) -> str:
-    """ ", no overlap" for a DSpark row measured without overlap scheduling."""
-    return ", no overlap" if r.get("overlap") == "off" else ""
+    """ ", no overlap" for a DSpark row measured without overlap scheduling, ", host lengths"
+    for one whose steps' lengths were copied to the host."""
+    return OVERLAP_NOTES.get(r.get("overlap"), "")
 
 
 STEP_TARGET = 1.35  # one draft+verify step <= 1.35x a plain decode step

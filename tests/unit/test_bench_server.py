@@ -436,6 +436,16 @@ def test_dspark_rows_with_and_without_overlap_are_kept_apart(tmp_path):
     with pytest.raises(SystemExit, match="--spec-overlap"):
         bench_server.parse_args(["--spec", "--spec-overlap", "on,sometimes"])
     assert bench_server.parse_args(["--spec", "--spec-overlap", "on,off"]).spec_overlap == "on,off"
+    # overlap with each step's lengths copied to the host: its own rows, label and server env
+    host = dict(forced, overlap="host-lens", decode_tok_s=1100.0)
+    assert bench_server.row_key(host) != bench_server.row_key(on)
+    table = dspark.spec_table([dict(base, spec="none", decode_tok_s=600.0), *rows, host])
+    assert table.count("k=4 forced 3, host lengths") == 1 and table.count("k=4 forced 3 ") == 1
+    args = dspark.spec_server_args(tmp_path, "fp8", 3, "host-lens")
+    assert "--disable-overlap-schedule" not in args
+    assert dspark.OVERLAP_ENV["host-lens"] == {"SGL_ATOM_DSPARK_HOST_SEQ_LENS": "1"}
+    parsed = bench_server.parse_args(["--spec", "--spec-overlap", "on,host-lens"])
+    assert parsed.spec_overlap == "on,host-lens"
 
 
 def test_spec_log_rate_is_time_weighted():
