@@ -313,10 +313,25 @@ def spec_table(rows: list[dict]) -> str:
     )
 
 
+def _grouped_bars(ax, groups: list, series: dict[str, dict], ylabel: str, title: str) -> None:
+    """One group of bars per ``groups`` entry, one bar per series (label -> {group: value})."""
+    width = 0.8 / max(1, len(series))
+    for k, (label, got) in enumerate(series.items()):
+        ax.bar(
+            [i + width * (k - (len(series) - 1) / 2) for i in range(len(groups))],
+            [got.get(g, 0) for g in groups],
+            width,
+            label=label,
+        )
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+
+
 def plot(rows: list[dict], path: Path) -> None:
-    """Left: one draft+verify step over a plain step (with and without overlap scheduling) per
-    forced-acceptance workload, against the target. Right: chain tokens/s over plain per batch
-    and draft KV dtype, against the targets."""
+    """Forced acceptance: one draft+verify step over a plain step per workload, a bar per draft
+    KV dtype and scheduling mode (and over the plain step without overlap scheduling, where
+    measured), against the target. Chain models: tokens/s over plain per batch and draft KV
+    dtype, against the targets. A panel only for the rows there are."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,43 +339,46 @@ def plot(rows: list[dict], path: Path) -> None:
 
     forced = [r for r in rows if r.get("spec") == "dspark" and "step_ratio" in r]
     chain = [r for r in rows if r.get("spec") == "chain-dspark" and "vs_plain" in r]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    labels = [
-        f"{r['model']}\n{r['batch']}x{r['prompt'] // 1024}K k={r['block']} {r['draft_kv']}"
-        + overlap_note(r)
-        for r in forced
-    ]
-    x = range(len(forced))
-    left.bar([i - 0.2 for i in x], [r["step_ratio"] for r in forced], 0.4, label="vs plain")
-    left.bar(
-        [i + 0.2 for i in x],
-        [r.get("step_ratio_serial") or 0 for r in forced],
-        0.4,
-        label="vs plain without overlap",
-    )
-    left.axhline(STEP_TARGET, color="k", ls="--", lw=1, label=f"target {STEP_TARGET}")
-    left.set_xticks(list(x), labels, fontsize=7)
-    left.set_ylabel("draft+verify step / plain step")
-    left.set_title("8B shape, forced acceptance")
-    left.legend(fontsize=8)
-    kvs = sorted({r["draft_kv"] + overlap_note(r) for r in chain})
-    batches = sorted({r["batch"] for r in chain})
-    width = 0.8 / len(kvs) if kvs else 0.4
-    for k, kv in enumerate(kvs):
-        got = {r["batch"]: r["vs_plain"] for r in chain if r["draft_kv"] + overlap_note(r) == kv}
-        right.bar(
-            [i + width * (k - (len(kvs) - 1) / 2) for i in range(len(batches))],
-            [got.get(b, 0) for b in batches],
-            width,
-            label=f"{kv} draft KV",
+    panels = [p for p, got in (("forced", forced), ("chain", chain)) if got] or ["forced"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1, 4.5), squeeze=False)
+    axes = dict(zip(panels, axes[0], strict=True))
+    if "forced" in axes:
+        ax = axes["forced"]
+        workloads = sorted({(r["model"], r["batch"], r["prompt"]) for r in forced})
+        series: dict[str, dict] = {}
+        for r in forced:
+            w = (r["model"], r["batch"], r["prompt"])
+            name = f"k={r['block']} {r['draft_kv']} pool{overlap_note(r)}"
+            series.setdefault(name, {})[w] = r["step_ratio"]
+            if r.get("step_ratio_serial"):
+                series.setdefault(f"{name} vs plain without overlap", {})[w] = r[
+                    "step_ratio_serial"
+                ]
+        _grouped_bars(
+            ax, workloads, series, "draft+verify step / plain step", "8B shape, forced acceptance"
         )
-    for i, b in enumerate(batches):
-        if b in CHAIN_TARGETS:
-            right.hlines(CHAIN_TARGETS[b], i - 0.45, i + 0.45, colors="k", linestyles="--")
-    right.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-    right.set_ylabel("tokens/s over plain")
-    right.set_title("chain models, real acceptance (dashed: targets)")
-    right.legend(fontsize=8)
+        ax.axhline(STEP_TARGET, color="k", ls="--", lw=1, label=f"target {STEP_TARGET}")
+        ax.set_xticks(
+            range(len(workloads)), [f"{m}\n{b} x {p // 1024}K" for m, b, p in workloads], fontsize=8
+        )
+        ax.legend(fontsize=8)
+    if "chain" in axes:
+        ax = axes["chain"]
+        batches = sorted({r["batch"] for r in chain})
+        series = {}
+        for r in chain:
+            series.setdefault(f"{r['draft_kv']} draft KV{overlap_note(r)}", {})[r["batch"]] = r[
+                "vs_plain"
+            ]
+        _grouped_bars(
+            ax, batches, series, "tokens/s over plain",
+            "chain models, real acceptance (dashed: targets)",
+        )  # fmt: skip
+        for i, b in enumerate(batches):
+            if b in CHAIN_TARGETS:
+                ax.hlines(CHAIN_TARGETS[b], i - 0.45, i + 0.45, colors="k", linestyles="--")
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
