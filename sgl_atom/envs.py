@@ -148,7 +148,7 @@ SGL_ATOM_DSPARK_HOST_SEQ_LENS = EnvVar(
     "ATOM_DSPARK under overlap scheduling: keep SGLang's host copy of each step's sequence "
     "lengths, for which the scheduler waits on every verify before it prepares the next step "
     "(default off: the lengths stay on the device and the atom backend sizes its tables from "
-    "the requests' allocated KV on the host).",
+    "a host bound: the requests' allocated KV or host lengths plus two verify windows).",
 )
 SGL_ATOM_PD_TRANSFER_TIMEOUT = EnvVar(
     "SGL_ATOM_PD_TRANSFER_TIMEOUT",

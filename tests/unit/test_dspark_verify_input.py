@@ -66,8 +66,9 @@ def build(w, case, grammar, host_lens=True):
            s.retrieve_index, s.retrieve_next_token, s.retrieve_next_sibling)
     # the host bound the atom backend sizes its page table from when the lengths stay on the
     # device: each request's allocated KV, at most a req_to_token row
-    alloc = max(r.kv.kv_allocated_len for r in reqs)
-    assert b.max_seq_len_host == min(alloc, req_to_token.shape[1]), b.max_seq_len_host
+    bound = max(max(r.kv.kv_allocated_len, r.seqlen + 2 * w.draft_token_num) for r in reqs)
+    assert b.max_seq_len_host == min(bound, req_to_token.shape[1]), b.max_seq_len_host
+    assert b.max_seq_len_host >= min(int(seq_lens.max()) + w.draft_token_num, req_to_token.shape[1])
     return {k: t.clone() for k, t in zip(FIELDS, got)}
 
 
@@ -79,12 +80,14 @@ for _ in range(int(sys.argv[2])):
     pool_idx = torch.tensor(rng.sample(range(2 * max_bs), bs))
     req_to_token = torch.randperm(2 * max_bs * width).reshape(2 * max_bs, width)
     # a step behind, as under overlap: ids the anchors must not come from
-    # SGLang allocates each request its window and a reserve (here up to past the row)
+    # SGLang allocates each request its window and a reserve (here up to past the row); the
+    # host's length is up to one window behind the device's
+    allocated = [rng.choice([0, s + n + rng.randint(0, 2 * n)]) for s in seq_lens.tolist()]
     reqs = [types.SimpleNamespace(output_ids=[1000 + rng.randrange(1000)] * rng.randint(0, 2),
                                   origin_input_ids=[1000 + rng.randrange(1000)],
-                                  kv=types.SimpleNamespace(
-                                      kv_allocated_len=int(s) + n + rng.randint(0, 2 * n)))
-            for s in seq_lens.tolist()]
+                                  seqlen=max(1, s - rng.randint(0, n)),
+                                  kv=types.SimpleNamespace(kv_allocated_len=a))
+            for s, a in zip(seq_lens.tolist(), allocated)]
     drafts = torch.randint(0, 1000, (bs, n - 1))
     # the previous step's accepted tokens as relayed: past each accept length, other tokens
     accept_lens = torch.tensor([rng.randint(1, n) for _ in range(bs)], dtype=torch.int32)

@@ -408,15 +408,21 @@ class AtomDSparkWorker(NGRAMWorker):
         return self._bound_lengths(batch)
 
     def _bound_lengths(self, batch: ScheduleBatch) -> int:
-        """An upper bound of every length this decode step reads, known on the host: the KV
-        SGLang allocated each request for this step (``kv_allocated_len``: its committed
-        tokens, one step behind under overlap, plus a reserve of two verify windows), at most
-        a ``req_to_token`` row. Set as the batch's ``max_seq_len_host``, which SGLang's
-        ForwardBatch carries to the attention backend: under overlap scheduling the lengths
-        stay on the device (:func:`..algorithm.host_seq_lens`), and the atom backend sizes
-        its page table from this bound instead."""
+        """An upper bound of every length this decode step reads, known on the host: per
+        request, the KV SGLang allocated it for this step (``kv_allocated_len``: its committed
+        tokens plus a reserve of two verify windows) or its host length plus two windows (the
+        host's tokens are at most one step, one window, behind the device's under overlap),
+        whichever is larger; at most a ``req_to_token`` row. Set as the batch's
+        ``max_seq_len_host``, which SGLang's ForwardBatch carries to the attention backend:
+        under overlap scheduling the lengths stay on the device
+        (:func:`..algorithm.host_seq_lens`), and the atom backend sizes its page table from
+        this bound instead."""
         width = int(batch.req_to_token_pool.req_to_token.shape[1])
-        bound = max((int(r.kv.kv_allocated_len) for r in batch.reqs), default=0)
+        ahead = 2 * self.draft_token_num
+        bound = max(
+            (max(int(r.kv.kv_allocated_len), int(r.seqlen) + ahead) for r in batch.reqs),
+            default=0,
+        )
         batch.max_seq_len_host = min(bound, width)
         return batch.max_seq_len_host
 
