@@ -252,15 +252,9 @@ def test_unsupported_fp8_dtype_is_named():
         AtomAttnBackend(runner)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    from sgl_atom.attention.backend import AtomAttnBackend
-
-    torch.manual_seed(3)
-    runner = _runner(16, kv_dtype)
-    backend = AtomAttnBackend(runner)
+def _verify_history(backend, runner) -> dict:
+    """Two requests of 34 tokens on scrambled pages, the first 30 prefilled through ``backend``
+    (the last 4 are a verify window's): request -> (K, V) history."""
     hist = {
         r: (
             torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
@@ -271,6 +265,19 @@ def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
     _assign_pages(runner, 0, 34, [5, 2, 11])
     _assign_pages(runner, 1, 34, [7, 9, 3])
     _run(backend, runner, "EXTEND", [0, 1], [0, 0], [30, 30], hist)
+    return hist
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_target_verify_is_causal_among_draft_tokens(kv_dtype):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_atom.attention.backend import AtomAttnBackend
+
+    torch.manual_seed(3)
+    runner = _runner(16, kv_dtype)
+    backend = AtomAttnBackend(runner)
+    hist = _verify_history(backend, runner)
     # verify 4 draft tokens per request: seq_lens holds the committed length (30)
     fb = _batch(runner, "EXTEND", [0, 1], [30, 30], [4, 4])
     fb.forward_mode = ForwardMode.TARGET_VERIFY
@@ -320,16 +327,7 @@ def test_verify_with_the_lengths_on_the_device_only(bound, graphs):
     runner = _runner(16, torch.bfloat16)
     runner.req_to_token_pool.req_to_token = torch.zeros(4, 256 + 16, dtype=torch.int32)
     backend = AtomAttnBackend(runner)
-    hist = {
-        r: (
-            torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
-            torch.randn(34, KV_HEADS, DIM, dtype=torch.bfloat16),
-        )
-        for r in (0, 1)
-    }
-    _assign_pages(runner, 0, 34, [5, 2, 11])
-    _assign_pages(runner, 1, 34, [7, 9, 3])
-    _run(backend, runner, "EXTEND", [0, 1], [0, 0], [30, 30], hist)
+    hist = _verify_history(backend, runner)
     if graphs:
         backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
     q = torch.randn(8, HEADS, DIM, dtype=torch.bfloat16)
