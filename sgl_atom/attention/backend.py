@@ -229,9 +229,9 @@ class AtomAttnBackend(AttentionBackend):
         """The batch's longest sequence as the host knows it, never read from the device (that
         would wait for the queued work): SGLang's host lengths, else, where a speculative
         decode under overlap scheduling keeps them on the device, the upper bound its worker
-        sets in ``max_seq_len_host`` (ATOM_DSPARK: the requests' allocated KV), else the
-        model's context length. A bound only widens the page table; the kernels read each
-        sequence to its own length."""
+        sets in ``max_seq_len_host`` (ATOM_DSPARK: from the requests' allocated KV and host
+        lengths), else the model's context length. A bound only widens the page table; the
+        kernels read each sequence to its own length."""
         lens = forward_batch.seq_lens_cpu
         if lens is not None:
             return int(lens.max()) if lens.numel() else 0

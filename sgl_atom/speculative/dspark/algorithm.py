@@ -54,8 +54,8 @@ def host_seq_lens() -> bool:
     verify mask (sized per request from the host lengths); it is a wait: the scheduler
     prepares step N + 1 only after step N's verify has run, so the host's preparation is not
     hidden behind the GPU. This worker builds no such mask, and the atom backend, which it
-    requires, sizes its tables from a host bound instead (the requests' allocated KV,
-    ``AtomDSparkWorker._bound_lengths``), so the lengths stay on the device unless
+    requires, sizes its tables from a host bound instead (the requests' allocated KV and host
+    lengths, ``AtomDSparkWorker._bound_lengths``), so the lengths stay on the device unless
     ``SGL_ATOM_DSPARK_HOST_SEQ_LENS`` asks for the copy or two-batch overlap needs it (it
     splits batches by the host lengths).
     """
