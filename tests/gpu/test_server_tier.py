@@ -264,6 +264,8 @@ def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype, re
     assert all(len(g) == LOSSLESS_NEW for g in got)
     assert same == len(want)
     assert "ATOM_DSPARK: overlap scheduling on" in log, "SGLang's default, as users run it"
+    # each step's lengths stay on the device: the scheduler does not wait for every verify
+    assert "overlap scheduling on, each step's lengths kept on the device" in log
     # the draft's pass runs as replayed CUDA graphs (draft_graphs.py), the verify in SGLang's
     assert "ATOM_DSPARK draft CUDA graphs: captured" in log, log[-3000:]
     replayed = [int(n) for n in re.findall(r"draft passes: (\d+) replayed", log)]
