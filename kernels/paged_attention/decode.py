@@ -1,5 +1,7 @@
 """Split-KV decode: each (sequence, KV head, split) program attends all query rows of the GQA
-group to one chunk of the context; a reduce kernel merges the splits by their log-sum-exp.
+group to one chunk of the context; a reduce kernel merges the splits by their log-sum-exp (with
+one split, at batches whose sequences and KV heads fill the GPU, a copy that casts every head of
+a query row in one program).
 
 The same two kernels serve target-verify (NUM_Q query tokens per sequence, causal among them).
 """
@@ -161,6 +163,37 @@ def decode_reduce_kernel(
     tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
+@triton.jit
+def decode_unsplit_out_kernel(
+    OP,
+    SL,
+    Out,
+    q_heads,
+    stride_opt,
+    stride_oph,
+    stride_ot,
+    stride_oh,
+    NUM_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The merge of a single split: each program casts every head of one query row (zeros for a
+    sequence of no keys, whose partial the attention kernel left unwritten). One program per row
+    and head, as `decode_reduce_kernel` runs, costs more than moving the bytes at large batches."""
+    t = tl.program_id(0)
+    seq_len = tl.load(SL + t // NUM_Q)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    h_ok = (offs_h < q_heads)[:, None]
+    o = tl.load(
+        OP + t * stride_opt + offs_h[:, None] * stride_oph + offs_d[None, :],
+        mask=h_ok & (seq_len > 0),
+        other=0.0,
+    )
+    o_ptr = Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=h_ok)
+
+
 def decode_num_splits(
     batch: int, kv_heads: int, max_context: int, sms: int = 132, waves: float = 2.0
 ) -> int:
@@ -298,6 +331,22 @@ def split_kv_attention(
         num_stages=num_stages or cfg["num_stages"],
         **launch,
     )
+    if num_splits == 1:
+        decode_unsplit_out_kernel[(tokens,)](
+            o_part,
+            seq_lens,
+            out,
+            q_heads,
+            o_part.stride(0),
+            o_part.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_Q=num_q,
+            BLOCK_H=next_pow2(q_heads),
+            HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+        return out
     block_s = next_pow2(num_splits)
     decode_reduce_kernel[(tokens, q_heads)](
         o_part,

@@ -30,7 +30,9 @@ def _out(q):
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 @pytest.mark.parametrize(
-    "lens,splits", [([63, 1, 130], None), ([200, 17], 5)], ids=["ragged", "splits5"]
+    "lens,splits",
+    [([63, 1, 130], None), ([200, 17], 5), ([300, 2, 77], 1)],
+    ids=["ragged", "splits5", "one-split"],
 )
 def test_decode(case, lens, splits):
     ps, hq, hkv, d, dt = case
@@ -41,6 +43,25 @@ def test_decode(case, lens, splits):
     )
     ref = pa.reference_decode(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
     assert_close_rel(out, ref, TOL)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda n: f"splits{n}")
+def test_decode_sequence_of_no_keys_reads_zero(splits):
+    """A row of length 0 (a padded row of a captured batch) comes out zero, unsplit or split,
+    its neighbours as the reference has them: the merge never reads a partial that no program
+    wrote (the workspace is poisoned)."""
+    kc, vc, ks, vs, table, sl = paged_kv([40, 0, 300], 2, 64, 16, FP8, DEV, seed=5)
+    q = queries(3, 8, 64, DEV, seed=6)
+    ws = (
+        poisoned((3, 8, splits, 64), torch.float32, DEV),
+        poisoned((3, 8, splits), torch.float32, DEV),
+    )
+    out = pa.decode_fwd(q, kc, vc, table, sl, 16, 0.125, out=_out(q), k_scale=ks, v_scale=vs,
+                        workspace=ws)  # fmt: skip
+    assert torch.equal(out[1].float(), torch.zeros_like(out[1], dtype=torch.float32))
+    live = torch.tensor([0, 2], device=DEV)
+    ref = pa.reference_decode(q[live], kc, vc, table[live], sl[live], 16, 0.125, ks, vs)
+    assert_close_rel(out[live], ref, TOL)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -267,9 +288,11 @@ def test_fp8_kv_mode_follows_q_dtype():
     assert_close_rel(out, pa.reference_decode(q, kc, vc, table, sl, 16, 0.125, ks, vs), TOL)
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("num_draft", [1, 4], ids=lambda n: f"draft{n}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_id)
-def test_verify(case, num_draft):
+def test_verify(case, num_draft, splits):
+    """Unsplit and split 3 ways: every row of the poisoned output is written."""
     ps, hq, hkv, d, dt = case
     lens = [70, 4, 33]
     kc, vc, ks, vs, table, sl = paged_kv(lens, hkv, d, ps, dt, DEV, seed=num_draft)
@@ -286,7 +309,7 @@ def test_verify(case, num_draft):
         out=_out(q),
         k_scale=ks,
         v_scale=vs,
-        num_splits=3,
+        num_splits=splits,
     )
     ref = pa.reference_verify(q, kc, vc, table, sl, ps, d**-0.5, ks, vs)
     assert_close_rel(out, ref, TOL)
