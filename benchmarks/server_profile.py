@@ -9,7 +9,8 @@ rank. :func:`analyze` reads the trace and splits the recorded span into:
 * GPU idle time: the rest, listed by gap, longest first, each with the host operations
   running across it (what the GPU waited for: scheduler work, a synchronising copy, a
   launch);
-* kernels by name: total time per step and launches per step.
+* kernels by name: total time per step and launches per step (the costliest 40, the rest
+  summed in one row).
 
 The step count is the profiled one where known, else the CUDA graph launches divided by
 ``graphs_per_step`` (1 for a plain decode, 2 for ATOM_DSPARK: the draft's graph and the
@@ -53,11 +54,16 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def analyze(
-    events: list[dict], steps: int | None = None, graphs_per_step: int = 1, top: int = 12
+    events: list[dict],
+    steps: int | None = None,
+    graphs_per_step: int = 1,
+    top: int = 12,
+    top_kernels: int = 40,
 ) -> dict:
     """Per-step figures of one rank's trace (times in ms); see the module docstring.
     ``steps``: the steps the trace holds when known (the profiled count), else counted from
-    the CUDA graph launches."""
+    the CUDA graph launches. The ``top_kernels`` costliest kernels are listed by name, the rest
+    summed in ``other_kernels``; the ``top`` longest idle gaps are listed."""
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     host = [e for e in events if e.get("cat") in HOST_CATS]
     if not gpu:
@@ -87,8 +93,13 @@ def analyze(
                 "ms_per_step": sum(durs) / 1e3 / steps,
                 "launches_per_step": len(durs) / steps,
             }
-            for name, durs in kernels[:top]
+            for name, durs in kernels[:top_kernels]
         ],
+        "other_kernels": {
+            "names": len(kernels[top_kernels:]),
+            "ms_per_step": sum(sum(d) for _, d in kernels[top_kernels:]) / 1e3 / steps,
+            "launches_per_step": sum(len(d) for _, d in kernels[top_kernels:]) / steps,
+        },
         "gaps": [
             {"ms": gap / 1e3, "host": _host_ops_across(host, start, end)}
             for gap, start, end in gaps[:top]
@@ -126,6 +137,12 @@ def report(label: str, a: dict) -> str:
     for k in a["kernels"]:
         name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
         lines.append(f"| `{name}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:.1f} |")
+    rest = a.get("other_kernels") or {}
+    if rest.get("names"):
+        lines.append(
+            f"| {rest['names']} other kernels | {rest['ms_per_step']:.3f} | "
+            f"{rest['launches_per_step']:.1f} |"
+        )
     lines += ["", "| GPU idle gap ms | host operations across it (innermost first) |", "|---|---|"]
     for g in a["gaps"]:
         lines.append(f"| {g['ms']:.3f} | {', '.join(f'`{h}`' for h in g['host']) or '-'} |")

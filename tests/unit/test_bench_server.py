@@ -274,6 +274,14 @@ def test_profile_analysis_splits_the_span_into_kernels_busy_and_idle_gaps(tmp_pa
     assert prof.analyze(prof.load(path), graphs_per_step=2)["steps"] == max(1, round(steps / 2))
     md = prof.report("x", a)
     assert f"{a['wall_ms_per_step']:.3f} ms per step" in md and "`host_work_0`" in md
+    assert a["other_kernels"]["names"] == 0 and "other kernels" not in md
+    # past the listed kernels, the rest is one row: the cheapest two of the three names here
+    cut = prof.analyze(prof.load(path), graphs_per_step=1, top_kernels=1)
+    assert [k["name"] for k in cut["kernels"]] == [max(kernel_ms, key=kernel_ms.get)]
+    rest = sorted(kernel_ms.values())[:2]
+    assert cut["other_kernels"]["names"] == 2
+    assert cut["other_kernels"]["ms_per_step"] == pytest.approx(sum(rest) / steps)
+    assert f"| 2 other kernels | {sum(rest) / steps:.3f} |" in prof.report("x", cut)
     cpu_only = [e for e in events if e.get("cat") != "kernel" and e.get("cat") != "gpu_memcpy"]
     assert prof.analyze(cpu_only)["steps"] == 0
 
