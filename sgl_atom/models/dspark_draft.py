@@ -10,9 +10,12 @@ points; neither runs through SGLang's ModelRunner, because the draft keeps its o
 * :meth:`propose` — one non-causal pass over ``[anchor, MASK x (k-1)]`` for every request of a
   batch at once, refined left to right by the low-rank Markov head.
 
-The math is :mod:`sgl_atom.speculative.dspark.reference`'s (the float64 test oracle). Here every
-table lives on the inputs' device (RoPE cos/sin cached per device and dtype, grown on demand), and a
-draft layer's block attention is one paged-attention call: the block's K/V go to the pool's
+The math is :mod:`sgl_atom.speculative.dspark.reference`'s (the float64 test oracle), in fewer
+launches: each layer's q/k/v and gate/up projections are one GEMM each (weights fused at load),
+q and k heads are normalized and rotated together, norms are torch's fused RMSNorm, and the RoPE
+rows of a pass are gathered once for all its layers. Every table lives on the inputs' device
+(RoPE cos/sin cached per device and dtype, grown on demand), and a draft layer's block attention
+is one paged-attention call: the block's K/V go to the pool's
 scratch rows, which the page table places right after each request's context, and the atom
 ``verify`` kernel with ``causal=False`` lets every block row see context and block
 (``kernel_ops(device).block``; on CPU ``SGL_ATOM_CPU_KERNELS`` picks the interpreted kernel or
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sgl_atom.attention import decode_tuning
@@ -64,11 +68,39 @@ class AtomDSparkDraftModel(nn.Module):
         for name, tensor in weights:
             self.w[name.removeprefix("model.")] = tensor  # unknown names are refused below
         check_draft_weights(self.dspark, self.w)
+        self._fuse_projections()
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> AtomDSparkDraftModel:
         self.w = {n: t.to(device=device, dtype=dtype).contiguous() for n, t in self.w.items()}
+        self._fuse_projections()
         self._rope.clear()
         return self
+
+    def _fuse_projections(self) -> None:
+        """Each layer's q/k/v and gate/up weights as one matrix, so a pass runs one GEMM for
+        each; the named weights become row views of it (nothing is held twice). The q and k
+        norms' weights stacked per head ``[q_heads + kv_heads, head_dim]``: both are
+        normalized and rotated in one go."""
+        cfg = self.dspark
+        self._qkv, self._gate_up, self._qk_norm = [], [], []
+        for i in range(cfg.num_hidden_layers):
+            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            self._qkv.append(
+                self._stack([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+            )
+            self._gate_up.append(self._stack([m + "gate_proj.weight", m + "up_proj.weight"]))
+            qn, kn = self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"]
+            heads = (qn.expand(cfg.num_attention_heads, -1), kn.expand(cfg.num_key_value_heads, -1))
+            self._qk_norm.append(torch.cat(heads))
+
+    def _stack(self, names: list[str]) -> torch.Tensor:
+        fused = torch.cat([self.w[n] for n in names])
+        row = 0
+        for n in names:
+            rows = self.w[n].shape[0]
+            self.w[n] = fused[row : row + rows]
+            row += rows
+        return fused
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,52 +123,71 @@ class AtomDSparkDraftModel(nn.Module):
             cached = self._rope[key] = _rope_tables(self.dspark, device, table, n)
         return cached
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, max_position: int | None):
-        """reference.rope of x [tokens, heads, head_dim] at positions [tokens], tables cached."""
-        if max_position is None:  # a host sync; the worker always passes the bound it knows
+    def _rope_rows(self, positions: torch.Tensor, max_position: int | None):
+        """(cos, sin) [tokens, 1, head_dim] at ``positions``, gathered once per pass for every
+        layer's rotations; ``max_position`` a bound known on the host (else read from the
+        device, a sync; the worker always passes it)."""
+        if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
-        cos, sin = self.rope_tables(x.device, x.dtype, max_position + 1)
-        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
+        cos, sin = self.rope_tables(positions.device, self.dtype, max_position + 1)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """reference.rope of x [tokens, heads, head_dim] with the rows of :meth:`_rope_rows`."""
+        cos, sin = rope
         half = x.shape[-1] // 2
         xf = x.to(cos.dtype)
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        return torch.addcmul(xf * cos, rotated, sin).to(x.dtype)
 
     # ------------------------------------------------------------- layers
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return ref.rms_norm(x, self.w[name], self.dspark.rms_norm_eps)
+        """reference.rms_norm as one op (torch's fused RMSNorm on CUDA)."""
+        w = self.w[name]
+        return F.rms_norm(x, (w.shape[-1],), w, self.dspark.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], n, self.dspark.head_dim)
 
-    def _kv(self, i: int, x: torch.Tensor, positions: torch.Tensor, max_position: int | None):
-        p, cfg = f"layers.{i}.self_attn.", self.dspark
-        k = self._heads(x @ self.w[p + "k_proj.weight"].T, cfg.num_key_value_heads)
-        k = self._rotate(self._norm(k, p + "k_norm.weight"), positions, max_position)
-        v = self._heads(x @ self.w[p + "v_proj.weight"].T, cfg.num_key_value_heads)
-        return k, v
+    def _context_layer_kv(
+        self, i: int, ctx: torch.Tensor, rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s (K, V) of context rows: one GEMM over the fused weight's k/v rows."""
+        cfg = self.dspark
+        kv_width = cfg.num_key_value_heads * cfg.head_dim
+        kv = ctx @ self._qkv[i][-2 * kv_width :].T
+        k = self._norm(self._heads(kv[:, :kv_width], cfg.num_key_value_heads),
+                       f"layers.{i}.self_attn.k_norm.weight")  # fmt: skip
+        return self._rotate(k, rope), self._heads(kv[:, kv_width:], cfg.num_key_value_heads)
 
     @torch.no_grad()
     def context_kv(
         self, taps: torch.Tensor, positions: torch.Tensor, max_position: int | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps [tokens, num_taps * target_hidden], positions [tokens] -> per draft layer
-        (K, V), each [tokens, kv_heads, head_dim]. ``max_position``: a bound on ``positions``
-        known on the host (else read from the device)."""
-        ctx = ref.project_taps(self.w, self.dspark, taps.to(self.dtype))
-        return [
-            self._kv(i, ctx, positions, max_position) for i in range(self.dspark.num_hidden_layers)
-        ]
+        (K, V), each [tokens, kv_heads, head_dim] (views of one GEMM's output: token stride
+        free, head_dim contiguous). ``max_position``: a bound on ``positions`` known on the
+        host (else read from the device)."""
+        cfg = self.dspark
+        ref.check_taps(cfg, taps)
+        ctx = self._norm(taps.to(self.dtype) @ self.w["fc.weight"].T, "hidden_norm.weight")
+        rope = self._rope_rows(positions, max_position)
+        return [self._context_layer_kv(i, ctx, rope) for i in range(cfg.num_hidden_layers)]
 
     def _block_layer(self, i: int, x: torch.Tensor, blk) -> torch.Tensor:
-        """Draft layer ``i`` over the block rows x [batch * k, hidden] of every request."""
+        """Draft layer ``i`` over the block rows x [batch * k, hidden] of every request: one
+        GEMM for q/k/v, q and k normalized and rotated together, one GEMM for gate/up."""
         p, cfg = f"layers.{i}.", self.dspark
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = self._norm(x, p + "input_layernorm.weight")
-        q = self._heads(h @ self.w[p + "self_attn.q_proj.weight"].T, cfg.num_attention_heads)
-        q = self._rotate(self._norm(q, p + "self_attn.q_norm.weight"), blk.positions, blk.max_pos)
-        k, v = self._kv(i, h, blk.positions, blk.max_pos)
-        blk.pool.write(i, blk.scratch, k, v)
+        qkv = h @ self._qkv[i].T
+        qk = F.rms_norm(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), (d,), None,
+                        cfg.rms_norm_eps) * self._qk_norm[i]  # fmt: skip
+        qk = self._rotate(qk, blk.rope)
+        q, k = qk[:, :hq], qk[:, hq:]
+        blk.pool.write(i, blk.scratch, k, self._heads(qkv[:, (hq + hkv) * d :], hkv))
         ks, vs = blk.pool.scales(i)
         qa = q.to(attention_q_dtype(blk.pool.k_all[i].dtype, q.dtype))
         attn = blk.ops.block(
@@ -148,7 +199,7 @@ class AtomDSparkDraftModel(nn.Module):
             1,
             cfg.head_dim**-0.5,
             cfg.query_len,
-            torch.empty_like(qa),
+            torch.empty(qa.shape, dtype=qa.dtype, device=qa.device),
             ks,
             vs,
             num_splits=blk.num_splits,
@@ -156,9 +207,8 @@ class AtomDSparkDraftModel(nn.Module):
         ).to(q.dtype)
         x = x + attn.reshape(x.shape[0], -1) @ self.w[p + "self_attn.o_proj.weight"].T
         h = self._norm(x, p + "post_attention_layernorm.weight")
-        gate = h @ self.w[p + "mlp.gate_proj.weight"].T
-        up = h @ self.w[p + "mlp.up_proj.weight"].T
-        return x + (torch.nn.functional.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
+        gate, up = (h @ self._gate_up[i].T).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
 
     # ------------------------------------------------------------- propose
 
@@ -222,8 +272,7 @@ class AtomDSparkDraftModel(nn.Module):
         sms = num_sms(lens.device)
         splits = decode_num_splits(batch, cfg.num_key_value_heads, pool.slots, sms, tiling.waves)
         blk = _Block(
-            positions=positions,
-            max_pos=max_context + q - 1,
+            rope=self._rope_rows(positions, max_context + q - 1),
             pool=pool,
             scratch=pool.scratch_rows(batch).reshape(-1),
             page_table=page_table,
@@ -253,8 +302,7 @@ class AtomDSparkDraftModel(nn.Module):
 class _Block:
     """What every draft layer of one pass shares."""
 
-    positions: torch.Tensor  # [batch * k] the block rows' positions
-    max_pos: int  # a host-side bound on them
+    rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [batch * k, 1, head_dim] of the block rows
     pool: Any  # the DraftKVPool
     scratch: torch.Tensor  # [batch * k] the block rows' scratch slots
     page_table: torch.Tensor  # [batch, >= n + k] int32, page size 1

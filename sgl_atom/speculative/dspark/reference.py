@@ -63,14 +63,19 @@ def taps_from_hidden_states(
     return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
 
 
-def project_taps(w: Weights, cfg: DSparkDraftConfig, taps: torch.Tensor) -> torch.Tensor:
-    """taps [tokens, num_taps * target_hidden] -> ctx [tokens, hidden] (fc, then hidden_norm)."""
+def check_taps(cfg: DSparkDraftConfig, taps: torch.Tensor) -> None:
+    """Refuse taps that are not [tokens, num_taps * target_hidden]."""
     width = cfg.num_taps * cfg.tap_hidden_size
     if taps.dim() != 2 or taps.shape[1] != width:
         raise ValueError(
             f"taps must be [tokens, {width}] ({cfg.num_taps} taps of {cfg.tap_hidden_size}), "
             f"got {tuple(taps.shape)}"
         )
+
+
+def project_taps(w: Weights, cfg: DSparkDraftConfig, taps: torch.Tensor) -> torch.Tensor:
+    """taps [tokens, num_taps * target_hidden] -> ctx [tokens, hidden] (fc, then hidden_norm)."""
+    check_taps(cfg, taps)
     return rms_norm(taps @ w["fc.weight"].T, w["hidden_norm.weight"], cfg.rms_norm_eps)
 
 
