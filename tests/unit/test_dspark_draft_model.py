@@ -201,6 +201,30 @@ def test_context_kv_matches_the_reference_and_lands_in_its_slots(model, served, 
     assert torch.isnan(case.pool.read(0, unused)[0].float()).all()
 
 
+def test_fused_projections_hold_each_weight_once(served):
+    """q/k/v and gate/up are one matrix each per layer, the named weights row views of it in
+    order (what the reference reads is what the fused GEMM multiplies); the q/k norm weights
+    stacked per head."""
+    cfg = served.dspark
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for fused, names in (
+            (served._qkv[i], [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+            (served._gate_up[i], [m + "gate_proj.weight", m + "up_proj.weight"]),
+        ):
+            row = 0
+            for n in names:
+                w = served.w[n]
+                assert w.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr(), n
+                assert torch.equal(fused[row : row + w.shape[0]], w), n
+                row += w.shape[0]
+            assert row == fused.shape[0]
+        norms = served._qk_norm[i]
+        assert norms.shape == (cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
+        assert torch.equal(norms[0], served.w[a + "q_norm.weight"])
+        assert torch.equal(norms[-1], served.w[a + "k_norm.weight"])
+
+
 def test_rope_tables_live_on_the_inputs_device_and_grow(served):
     cos, _ = served.rope_tables(torch.device("cpu"), torch.bfloat16, 10)
     assert cos.dtype == torch.float32 and cos.shape[0] >= 10
