@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent / "kernels"))  # the kernel tests' 
 from helpers import assert_close_rel, poison_  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def model():
+def chain_draft() -> AtomDSparkDraftModel:
+    """The chain draft's config with random float64 weights, unplaced (the oracle's)."""
     raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
     m = AtomDSparkDraftModel(raw)
     w = init_draft_weights(m.dspark, seed=3, init_range=0.05, dtype=torch.float64)
@@ -32,13 +32,18 @@ def model():
     return m
 
 
-def placed(model, dtype: torch.dtype, **config) -> AtomDSparkDraftModel:
+@pytest.fixture(scope="module")
+def model():
+    return chain_draft()
+
+
+def placed(model, dtype: torch.dtype, device: str = "cpu", **config) -> AtomDSparkDraftModel:
     """A fresh draft of the chain config (``config`` overriding its fields) with ``model``'s
-    weights, placed on the CPU at ``dtype``."""
+    weights, placed on ``device`` at ``dtype``."""
     raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
     m = AtomDSparkDraftModel({**raw, **config})
     m.load_weights(model.w.items())
-    return m.place("cpu", dtype)
+    return m.place(device, dtype)
 
 
 def test_load_refuses_missing_and_unexpected_tensors(model):
@@ -58,8 +63,9 @@ class Case:
     LENS = (7, 13, 1, 30, 21)  # odd, ragged, one single-token context
     SLOTS = 96
 
-    def __init__(self, model, dtype: str, seed: int) -> None:
+    def __init__(self, model, dtype: str, seed: int, device: str = "cpu") -> None:
         cfg = model.dspark
+        self.device = device
         gen = torch.Generator().manual_seed(seed)
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         self.embed = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64)
@@ -73,7 +79,7 @@ class Case:
             kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             dtype=dtype,
-            device="cpu",
+            device=device,
             max_batch=len(self.LENS) + 2,
             block_len=cfg.query_len,
             compute_dtype=model.dtype,
@@ -93,22 +99,23 @@ class Case:
 
     def write_context(self, model) -> None:
         """One context write for the whole batch, as the worker does after a target forward."""
-        taps = torch.cat(self.taps).to(model.dtype)
-        positions = torch.cat([torch.arange(n) for n in self.LENS])
-        slots = torch.cat(self.slots)
+        taps = torch.cat(self.taps).to(device=self.device, dtype=model.dtype)
+        positions = torch.cat([torch.arange(n) for n in self.LENS]).to(self.device)
+        slots = torch.cat(self.slots).to(self.device)
         for layer, (k, v) in enumerate(model.context_kv(taps, positions, max(self.LENS))):
             self.pool.write(layer, slots, k, v)
 
     def pass_args(self, model) -> dict:
-        lens = torch.tensor(self.LENS)
-        table = block_page_table(self.context_slots, lens, self.pool.scratch_rows(len(lens)))
+        lens = torch.tensor(self.LENS, device=self.device)
+        ctx = self.context_slots.to(self.device)
+        table = block_page_table(ctx, lens, self.pool.scratch_rows(len(lens)))
         return dict(
-            anchors=self.anchors,
+            anchors=self.anchors.to(self.device),
             context_lens=lens,
             page_table=table,
             pool=self.pool,
-            embed=self.embed.to(model.dtype),
-            lm_head=self.head.to(model.dtype),
+            embed=self.embed.to(device=self.device, dtype=model.dtype),
+            lm_head=self.head.to(device=self.device, dtype=model.dtype),
             max_context=max(self.LENS),
         )
 
