@@ -205,10 +205,11 @@ class AtomDSparkDraftModel(nn.Module):
             num_splits=blk.num_splits,
             **blk.tiling,
         ).to(q.dtype)
-        x = x + attn.reshape(x.shape[0], -1) @ self.w[p + "self_attn.o_proj.weight"].T
+        # the residual adds ride in the GEMMs' epilogues (addmm)
+        x = torch.addmm(x, attn.reshape(x.shape[0], -1), self.w[p + "self_attn.o_proj.weight"].T)
         h = self._norm(x, p + "post_attention_layernorm.weight")
         gate, up = (h @ self._gate_up[i].T).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
+        return torch.addmm(x, F.silu(gate) * up, self.w[p + "mlp.down_proj.weight"].T)
 
     # ------------------------------------------------------------- propose
 
