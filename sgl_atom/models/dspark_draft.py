@@ -68,9 +68,10 @@ class AtomDSparkDraftModel(nn.Module):
         for name, tensor in weights:
             self.w[name.removeprefix("model.")] = tensor  # unknown names are refused below
         check_draft_weights(self.dspark, self.w)
-        self._fuse_projections()
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> AtomDSparkDraftModel:
+        """Weights to ``device`` and ``dtype``, projections fused there (once, at the served
+        placement): the passes need a placed draft."""
         self.w = {n: t.to(device=device, dtype=dtype).contiguous() for n, t in self.w.items()}
         self._fuse_projections()
         self._rope.clear()

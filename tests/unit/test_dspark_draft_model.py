@@ -24,12 +24,13 @@ from helpers import assert_close_rel, poison_  # noqa: E402
 
 
 def chain_draft() -> AtomDSparkDraftModel:
-    """The chain draft's config with random float64 weights, unplaced (the oracle's)."""
+    """The chain draft's config with random float64 weights, placed on the CPU at float64 (the
+    oracle's)."""
     raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
     m = AtomDSparkDraftModel(raw)
     w = init_draft_weights(m.dspark, seed=3, init_range=0.05, dtype=torch.float64)
     m.load_weights(w.items())
-    return m
+    return m.place("cpu", torch.float64)
 
 
 @pytest.fixture(scope="module")
