@@ -129,6 +129,15 @@ BACKENDS: dict[str, tuple[str, str, list[str]]] = {
         ["--attention-backend", "atom", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3"],
     ),
 }
+# --spec-sglang: SGLang's own DSpark worker per target attention backend -> (the BACKENDS entry
+# whose flags the target runs with and whose plain decode its rows are measured against, the
+# draft's attention backend where SGLang's DSpark draft cannot run on the target's: None, the
+# target's). On "atom" the target verifies through the atom backend and the plain rows are the
+# run's atom bf16 ones; SGLang's draft runs on its own Triton backend.
+SGLANG_SPEC_TARGETS: dict[str, tuple[str, str | None]] = {
+    "triton": ("triton", None),
+    "atom": ("atom-bf16", "triton"),
+}
 WORKLOADS = [(1, 16384), (16, 16384), (64, 4096), (128, 2048)]
 GEN_RE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 
@@ -390,9 +399,11 @@ def run_spec_workload(
     draft_kv: str,
     serial: Row | None = None,
     overlap: str = "on",
+    spec: str = "dspark",
 ) -> Row:
     """A DSpark row of ``plain``'s model and workload, with its step time over ``plain``'s (and
-    over ``serial``'s, the plain decode without overlap scheduling, when measured)."""
+    over ``serial``'s, the plain decode without overlap scheduling, when measured); ``spec``:
+    "dspark" (ATOM_DSPARK) or ``server_dspark.SGLANG_SPEC`` (SGLang's own DSpark worker)."""
     vocab = MODELS[plain.model]["vocab_size"]
     ttft, log, client = timed_decode(
         srv, vocab, plain.batch, plain.prompt, plain.output, warm=True, graphs_per_step=2
@@ -401,7 +412,7 @@ def run_spec_workload(
     rate, accept = rate or client, accept or forced + 1
     if abs(accept - (forced + 1)) > 0.05:
         print(f"[bench_server] WARNING: accept len {accept:.2f}, forced {forced + 1}", flush=True)
-    extra = dict(spec="dspark", block=block, forced_accept=forced, draft_kv=draft_kv)
+    extra = dict(spec=spec, block=block, forced_accept=forced, draft_kv=draft_kv)
     extra |= dict(overlap=overlap, accept_len=round(accept, 2))
     extra["vs_plain"] = round(rate / plain.decode_tok_s, 2)
     extra["step_ratio"] = round(dspark.step_ratio(rate, accept, plain.decode_tok_s), 3)
@@ -487,7 +498,7 @@ def started(path: Path, args: list[str], name: str, env: dict | None, logs: str,
 def _print(row: Row, name: str) -> None:
     spec = (
         f", accept {row.extra['accept_len']}, step x{row.extra['step_ratio']}"
-        if (row.extra.get("spec") == "dspark")
+        if row.extra.get("spec") in ("dspark", dspark.SGLANG_SPEC)
         else ""
     )
     print(
@@ -511,11 +522,13 @@ def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> li
 
 
 def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu,
-               save=lambda rows: None, serial=False, overlaps=("on",)):  # fmt: skip
+               save=lambda rows: None, serial=False, overlaps=("on",), sglang=()):  # fmt: skip
     """The plain atom bf16 decode of ``model`` (with ``serial``, once more without overlap
     scheduling), then ATOM_DSPARK with a random draft of real shape per (block k, forced N),
     draft KV dtype and overlap mode (``overlaps``: "on", SGLang's default, and/or "off"), each
-    server after the other; ``save`` gets the rows so far after each server."""
+    server after the other; then, per target backend of ``sglang`` (``SGLANG_SPEC_TARGETS``),
+    SGLang's own DSpark worker on the same draft weights (:func:`bench_sglang_spec`). ``save``
+    gets the rows so far after each server."""
     path = write_model(model, root)
     drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
     env = CPU_ENV if cpu else {}
@@ -548,6 +561,59 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
             for p, q in zip(plain, serials, strict=True):
                 rows.append(run_spec_workload(srv, p, k, n, kv, q, ov))
                 _print(rows[-1], name.partition("_")[2])
+        save(rows)
+    spec = (path, drafts, workloads, output, run_id, logs, warm, blocks, draft_kvs, overlaps)
+    for target in sglang:
+        done = list(rows)
+        rows += bench_sglang_spec(
+            model, target, plain, spec, gbps, lambda new, done=done: save(done + new)
+        )
+        save(rows)
+    return rows
+
+
+def bench_sglang_spec(model, target, atom_plain, spec, gbps, save) -> list[Row]:
+    """SGLang's own DSpark worker (``--speculative-algorithm DSPARK``) with the same draft
+    weights as ATOM_DSPARK's rows, under its simulated acceptance of the same N, per block, draft
+    KV dtype and overlap mode, the target on ``target``'s attention backend
+    (``SGLANG_SPEC_TARGETS``); its rows' step over that backend's plain decode (the atom rows
+    ``atom_plain`` for "atom", else a plain server of that backend first). A server that fails
+    to start or to serve is reported and skipped (its log kept with the others): SGLang's worker
+    is measured as it is, and the rows measured so far stay."""
+    import requests
+
+    path, drafts, workloads, output, run_id, logs, warm, blocks, draft_kvs, overlaps = spec
+    name, draft_backend = SGLANG_SPEC_TARGETS[target]
+    backend, kv, target_args = BACKENDS[name]
+    rows: list[Row] = []
+    plain = atom_plain
+    if backend != "atom":
+        args = server_args(target_args, workloads, output, log_interval=4)
+        with started(path, args, f"{model}_{name}-plain", None, logs, warm) as srv:
+            plain = [
+                run_workload(srv, model, backend, kv, b, p, output, gbps, run_id, {"spec": "none"})
+                for b, p in workloads
+            ]
+        for row in plain:
+            _print(row, f"{name} plain")
+        rows += plain
+        save(rows)
+    for (k, n), draft_kv, ov in itertools.product(blocks, draft_kvs, overlaps):
+        label = f"{model}_sglang-dspark-{target}-k{k}-n{n}-{draft_kv}"
+        label += dspark.OVERLAP_SUFFIX.get(ov, "")
+        flags = dspark.sglang_spec_server_args(
+            dspark.sglang_draft(drafts[k]), k, draft_kv, draft_backend, ov
+        )
+        args = server_args([*target_args, *flags], workloads, output, log_interval=4)
+        try:
+            with started(path, args, label, dspark.sglang_spec_env(n), logs, warm) as srv:
+                for p in plain:
+                    rows.append(
+                        run_spec_workload(srv, p, k, n, draft_kv, None, ov, dspark.SGLANG_SPEC)
+                    )
+                    _print(rows[-1], label.partition("_")[2])
+        except (RuntimeError, requests.RequestException) as e:  # ServerStartError included
+            print(f"[bench_server] {label}: SGLang's DSpark server failed: {e}", flush=True)
         save(rows)
     return rows
 
@@ -901,6 +967,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the host (host-lens: SGL_ATOM_DSPARK_HOST_SEQ_LENS=1), or several (on,off,host-lens)",
     )
     ap.add_argument(
+        "--spec-sglang",
+        default="",
+        help="--spec: also SGLang's own DSpark worker (--speculative-algorithm DSPARK) on the same "
+        "draft weights under its simulated acceptance of the same N, the target on each of these "
+        f"attention backends ({', '.join(SGLANG_SPEC_TARGETS)}), beside that backend's plain "
+        "decode; GPU only",
+    )
+    ap.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="--spec on CPU, tiny shape, 2x64, 8 new tokens: the code path, not figures",
@@ -969,6 +1043,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(
             f"--spec-overlap: {sorted(bad)} unknown; give any of {', '.join(dspark.OVERLAP_FLAGS)}"
         )
+    sglang = [t for t in args.spec_sglang.split(",") if t]
+    if bad := set(sglang) - set(SGLANG_SPEC_TARGETS):
+        raise SystemExit(
+            f"--spec-sglang: {sorted(bad)} unknown; give any of {', '.join(SGLANG_SPEC_TARGETS)}"
+        )
+    if sglang and (not args.spec or args.spec_chain or args.cpu_smoke):
+        raise SystemExit(
+            "--spec-sglang goes with --spec (forced acceptance) on a GPU: SGLang's DSpark worker "
+            "refuses CPU, and the chain rows measure ATOM_DSPARK alone"
+        )
+    args.spec_sglang = sglang
     if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8", "int4"}:
         raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16, fp8 or int4")
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
@@ -1017,7 +1102,7 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
                 rows += bench_spec(
                     model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
                     args.cpu_smoke, lambda new, done=done: save(done + new), args.serial_plain,
-                    args.spec_overlap.split(","),
+                    args.spec_overlap.split(","), args.spec_sglang,
                 )  # fmt: skip
                 continue
             for name in args.backends.split(","):

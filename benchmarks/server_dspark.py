@@ -147,6 +147,61 @@ def spec_server_args(
 
 SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_atom.models"}
 
+# --spec-sglang: SGLang's own DSpark worker (`--speculative-algorithm DSPARK`,
+# srt/speculative/dspark_components) on the same target and the same draft weights, under its
+# simulated acceptance. It reads the same config fields and weight names; only the architecture
+# differs (one of the names SGLang's srt/models/dspark.py registers).
+SGLANG_SPEC = "sglang-dspark"
+SGLANG_DRAFT_ARCH = "DSparkDraftModel"
+
+
+def sglang_draft(draft: Path) -> Path:
+    """The draft folder ``draft`` as SGLang's DSpark loads it, beside it: the same config under
+    SGLang's architecture name, the same weights file linked."""
+    path = draft.with_name(f"{draft.name}-sglang")
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["architectures"] = [SGLANG_DRAFT_ARCH]
+    (path / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    link = path / "model.safetensors"
+    if not link.exists():
+        link.symlink_to((draft / "model.safetensors").resolve())
+    return path
+
+
+def sglang_spec_server_args(
+    draft: Path, block: int, draft_kv: str, draft_backend: str | None, overlap: str = "on"
+) -> list[str]:
+    """SGLang's DSPARK with ``draft`` (an :func:`sglang_draft` folder) at block ``block`` (its
+    verify window k + 1, checked against the checkpoint's block_size at start-up), the draft's
+    KV at ``draft_kv``, its attention on ``draft_backend`` (None: the target's), overlap
+    scheduling per ``OVERLAP_FLAGS``."""
+    from sgl_atom.speculative.draft_kv_dtype import to_sglang_dtype
+
+    args = [
+        "--speculative-algorithm",
+        "DSPARK",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-num-draft-tokens",
+        str(block + 1),
+        "--speculative-draft-kv-cache-dtype",
+        to_sglang_dtype(draft_kv),
+        *OVERLAP_FLAGS[overlap],
+    ]
+    if draft_backend:
+        args += ["--speculative-draft-attention-backend", draft_backend]
+    return args
+
+
+def sglang_spec_env(forced: int) -> dict[str, str]:
+    """SGLang's simulated acceptance committing ``forced`` drafts and the bonus token at every
+    verify: SGLANG_SIMULATE_ACC_LEN = forced + 1, a whole number, so every step draws exactly
+    that length; its static verify plan named (SGLANG_RAGGED_VERIFY_MODE's default), under
+    which a draft without a confidence head loads and every drafted row is verified."""
+    return {"SGLANG_SIMULATE_ACC_LEN": str(forced + 1), "SGLANG_RAGGED_VERIFY_MODE": "static"}
+
+
 # --spec-chain: the word-chain llama target (sgl_atom.testing.tiny "llama-chain") and the draft
 # distilled against it (sgl_atom/testing/assets/dspark-llama-chain), real acceptance
 CHAIN_PROMPT = 64  # tokens of words per prompt
@@ -259,18 +314,34 @@ def step_ratio(spec_tok_s: float, accept_len: float, plain_tok_s: float) -> floa
     return accept_len * plain_tok_s / spec_tok_s
 
 
+def spec_label(r: dict) -> str:
+    """A forced-acceptance table row's serving: the atom plain decode ("plain"), another
+    backend's ("plain, triton backend"), ATOM_DSPARK ("k=4 forced 3") or SGLang's own DSpark
+    worker on a target backend ("SGLang DSPARK k=4 forced 3, triton backend")."""
+    on = "" if r["backend"] == "atom" and r["spec"] != SGLANG_SPEC else f", {r['backend']} backend"
+    if r["spec"] == "none":
+        return f"plain{on}"
+    if r["spec"] == SERIAL:
+        return f"plain, no overlap{on}"
+    who = "SGLang DSPARK " if r["spec"] == SGLANG_SPEC else ""
+    return f"{who}k={r['block']} forced {r['forced_accept']}{overlap_note(r)}{on}"
+
+
 def spec_table(rows: list[dict]) -> str:
-    """The DSpark rows beside the plain decode of the same run, model and workload."""
+    """The DSpark rows beside the plain decode of the same run, model and workload: ATOM_DSPARK
+    beside the atom backend's, SGLang's own DSpark beside its target backend's."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import format_table
 
-    mine = [r for r in rows if r.get("spec") in ("none", SERIAL, "dspark")]
-    kinds = {"none": 0, SERIAL: 1, "dspark": 2}
+    kinds = {"none": 0, SERIAL: 1, "dspark": 2, SGLANG_SPEC: 3}
+    mine = [r for r in rows if r.get("spec") in kinds]
     order = lambda r: (  # noqa: E731
         r["model"],
         r["batch"],
         r["prompt"],
         r["run"],
+        r["backend"] != "atom",
+        r["backend"],
         kinds[r["spec"]],
         r.get("block") or 0,
         r.get("draft_kv") or "",
@@ -278,13 +349,12 @@ def spec_table(rows: list[dict]) -> str:
     )
     out = []
     for r in sorted(mine, key=order):
-        spec = r["spec"] == "dspark"
-        label = {"none": "plain", SERIAL: "plain, no overlap"}.get(r["spec"])
+        spec = r["spec"] in ("dspark", SGLANG_SPEC)
         out.append(
             [
                 r["model"],
                 f"{r['batch']}x{r['prompt']}",
-                f"k={r['block']} forced {r['forced_accept']}{overlap_note(r)}" if spec else label,
+                spec_label(r),
                 r["draft_kv"] if spec else "-",
                 r.get("accept_len", "-") if spec else 1,
                 round(r["decode_tok_s"]),
@@ -330,14 +400,15 @@ def _grouped_bars(ax, groups: list, series: dict[str, dict], ylabel: str, title:
 def plot(rows: list[dict], path: Path) -> None:
     """Forced acceptance: one draft+verify step over a plain step per workload, a bar per draft
     KV dtype and scheduling mode (and over the plain step without overlap scheduling, where
-    measured), against the target. Chain models: tokens/s over plain per batch and draft KV
-    dtype, against the targets. A panel only for the rows there are."""
+    measured; SGLang's own DSpark over its backend's plain step), against the target. Chain
+    models: tokens/s over plain per batch and draft KV dtype, against the targets. A panel only
+    for the rows there are."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    forced = [r for r in rows if r.get("spec") == "dspark" and "step_ratio" in r]
+    forced = [r for r in rows if r.get("spec") in ("dspark", SGLANG_SPEC) and "step_ratio" in r]
     chain = [r for r in rows if r.get("spec") == "chain-dspark" and "vs_plain" in r]
     panels = [p for p, got in (("forced", forced), ("chain", chain)) if got] or ["forced"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1, 4.5), squeeze=False)
@@ -349,6 +420,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in forced:
             w = (r["model"], r["batch"], r["prompt"])
             name = f"k={r['block']} {r['draft_kv']} pool{overlap_note(r)}"
+            if r["spec"] == SGLANG_SPEC:
+                name = f"SGLang DSPARK {name}, {r['backend']} backend"
             series.setdefault(name, {})[w] = r["step_ratio"]
             if r.get("step_ratio_serial"):
                 series.setdefault(f"{name} vs plain without overlap", {})[w] = r[

@@ -194,7 +194,8 @@ def test_spec_table_sets_each_dspark_step_beside_both_plain_decodes():
     plain, accept = rng.uniform(100, 5000), rng.choice([4, 6])
     serial = plain * rng.uniform(0.5, 0.8)  # the table keeps 3 significant digits
     rate = rng.uniform(100, 9000)
-    base = {"model": "m", "batch": 16, "prompt": 4096, "run": "r", "ttft_s": 1.0}
+    base = {"model": "m", "backend": "atom", "batch": 16, "prompt": 4096, "run": "r",
+            "ttft_s": 1.0}  # fmt: skip
     spec = {**base, "spec": "dspark", "block": 4, "forced_accept": accept - 1, "draft_kv": "bf16",
             "accept_len": accept, "decode_tok_s": rate,
             "step_ratio": round(dspark.step_ratio(rate, accept, plain), 3),
@@ -478,3 +479,152 @@ def test_spec_log_rate_is_time_weighted():
     got, _, n = dspark.spec_log_rate("\n".join(lines), batch)
     assert n == len(lines) - 2
     assert got == pytest.approx(tokens / seconds, rel=1e-5)
+
+
+def test_sglang_dspark_reads_the_same_draft_and_forces_the_same_acceptance(tmp_path):
+    """``--spec-sglang``: SGLang's own DSpark parses the draft folder written for it as the same
+    checkpoint (block, taps, Markov rank, mask token; the same weights file) under one of its
+    registered architectures; the server flags exist in SGLang's parser, and its simulated
+    acceptance commits exactly N drafts plus the bonus at every step."""
+    import argparse
+
+    import bench_server
+    import server_dspark as dspark
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+    from sglang.srt.models import dspark as sglang_dspark
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative.dspark_components.dspark_config import parse_dspark_draft_config
+    from sglang.srt.speculative.spec_utils import sample_simulated_acc_len
+    from transformers import AutoConfig
+
+    from sgl_atom import plugin
+
+    plugin.register()  # the atom backend among SGLang's --attention-backend choices
+    rng = random.Random()
+    shape = bench_server.MODELS["tiny"]
+    k = rng.choice([4, 7])
+    ours = dspark.write_drafts("tiny", shape, [k], tmp_path, 4096)[k]
+    theirs = dspark.sglang_draft(ours)
+    assert theirs != ours and dspark.sglang_draft(ours) == theirs  # written once, reused
+    assert (theirs / "model.safetensors").resolve() == (ours / "model.safetensors").resolve()
+    mine, other = (json.loads((p / "config.json").read_text()) for p in (ours, theirs))
+    assert other.pop("architectures") == [dspark.SGLANG_DRAFT_ARCH]
+    assert mine.pop("architectures") == ["AtomDSparkDraftModel"] and mine == other
+    assert dspark.SGLANG_DRAFT_ARCH in [c.__name__ for c in sglang_dspark.EntryClass]
+    parsed = parse_dspark_draft_config(draft_hf_config=AutoConfig.from_pretrained(str(theirs)))
+    assert parsed.gamma == k and parsed.num_hidden_layers == dspark.DRAFT_LAYERS
+    assert parsed.target_layer_ids == dspark.tap_layers(shape["num_hidden_layers"])
+    assert parsed.markov_rank == mine["markov_rank"] and parsed.mask_token_id < shape["vocab_size"]
+
+    kv, overlap = rng.choice(["bf16", "fp8"]), rng.choice(["on", "off"])
+    for target, (name, draft_backend) in bench_server.SGLANG_SPEC_TARGETS.items():
+        flags = dspark.sglang_spec_server_args(theirs, k, kv, draft_backend, overlap)
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = parser.parse_args(["--model-path", "m", *bench_server.BACKENDS[name][2], *flags])
+        assert args.speculative_algorithm == "DSPARK" and args.speculative_num_draft_tokens == k + 1
+        assert args.speculative_draft_kv_cache_dtype == {"bf16": "bf16", "fp8": "fp8_e4m3"}[kv]
+        assert args.disable_overlap_schedule == (overlap == "off")
+        # the draft's attention runs where SGLang's draft worker supports it (else it would fall
+        # back to another backend than the rows name)
+        drafted_on = draft_backend or args.attention_backend
+        assert drafted_on in DRAFT_ATTENTION_BACKEND_CHOICES, target
+    n = rng.randrange(k)
+    env = dspark.sglang_spec_env(n)
+    draws = {sample_simulated_acc_len(float(env["SGLANG_SIMULATE_ACC_LEN"]), "match-expected",
+                                      k + 1) for _ in range(20)}  # fmt: skip
+    assert draws == {n + 1}
+    assert env["SGLANG_RAGGED_VERIFY_MODE"] == "static"
+
+
+def test_sglang_dspark_rows_sit_beside_their_backends_plain_decode(tmp_path, monkeypatch):
+    """bench_sglang_spec: on the triton target a plain triton server runs first and SGLang's
+    DSpark rows are measured against it; on the atom target against the atom plain rows given,
+    with the draft on Triton; a server that fails is reported and skipped, the rows before and
+    after it kept. The table names each row's worker and backend."""
+    from contextlib import contextmanager
+
+    import bench_server
+    import server_dspark as dspark
+
+    from sgl_atom.testing.server import ServerStartError
+
+    rng = random.Random()
+    shape = bench_server.MODELS["tiny"]
+    drafts = dspark.write_drafts("tiny", shape, [4], tmp_path, 4096)
+    workloads = [(1, 64), (2, 64)]
+    started, fail = [], {"tiny_sglang-dspark-triton-k4-n3-fp8"}
+
+    @contextmanager
+    def fake_started(path, args, name, env, logs, warm):
+        started.append((name, args, env))
+        if name in fail:
+            raise ServerStartError(f"{name} exited during start-up")
+        yield SimpleNamespace(name=name)
+
+    def fake_plain(srv, model, backend, kv, batch, prompt, output, gbps, run_id, extra):
+        return bench_server.Row(model, backend, kv, batch, prompt, output, rng.uniform(1, 9e3),
+                                0.1, 0.0, run_id, extra=dict(extra))  # fmt: skip
+
+    def fake_spec(srv, plain, block, forced, draft_kv, serial, overlap, spec):
+        assert serial is None and spec == dspark.SGLANG_SPEC
+        extra = dict(spec=spec, block=block, forced_accept=forced, draft_kv=draft_kv,
+                     overlap=overlap, accept_len=forced + 1.0, step_ratio=1.0,
+                     against=plain.backend)  # fmt: skip
+        return bench_server.Row(plain.model, plain.backend, plain.kv, plain.batch, plain.prompt,
+                                plain.output, 1.0, 0.1, 0.0, plain.run, extra=extra)  # fmt: skip
+
+    monkeypatch.setattr(bench_server, "started", fake_started)
+    monkeypatch.setattr(bench_server, "run_workload", fake_plain)
+    monkeypatch.setattr(bench_server, "run_spec_workload", fake_spec)
+    atom_plain = [fake_plain(None, "tiny", "atom", "bf16", b, p, 8, 1.0, "r", {"spec": "none"})
+                  for b, p in workloads]  # fmt: skip
+    spec = (tmp_path, drafts, workloads, 8, "r", "", 64, [(4, 3)], ["bf16", "fp8"], ["on"])
+    saved = []
+    rows = bench_server.bench_sglang_spec("tiny", "triton", atom_plain, spec, 1.0, saved.append)
+    names = [name for name, _, _ in started]
+    assert names == ["tiny_triton-plain", "tiny_sglang-dspark-triton-k4-n3-bf16",
+                     "tiny_sglang-dspark-triton-k4-n3-fp8"]  # fmt: skip
+    assert [r.extra["spec"] for r in rows] == ["none"] * 2 + [dspark.SGLANG_SPEC] * 2
+    assert {r.extra.get("against") for r in rows[2:]} == {"triton"} and saved[-1] == rows
+    _, args, env = started[1]
+    assert args[args.index("--attention-backend") + 1] == "triton"
+    assert "--speculative-draft-attention-backend" not in args
+    assert env == dspark.sglang_spec_env(3)
+
+    started.clear()
+    rows = bench_server.bench_sglang_spec("tiny", "atom", atom_plain, spec, 1.0, saved.append)
+    assert [name for name, _, _ in started] == [
+        "tiny_sglang-dspark-atom-k4-n3-bf16", "tiny_sglang-dspark-atom-k4-n3-fp8"]  # fmt: skip
+    assert len(rows) == 4 and {r.extra["against"] for r in rows} == {"atom"}
+    args = started[0][1]
+    assert args[args.index("--speculative-draft-attention-backend") + 1] == "triton"
+    assert args[args.index("--attention-backend") + 1] == "atom"
+
+    base = dict(model="tiny", kv="bf16", batch=1, prompt=64, output=8, run="r", ttft_s=0.1)
+    sg = dict(base, spec=dspark.SGLANG_SPEC, block=4, forced_accept=3, draft_kv="fp8",
+              accept_len=4.0, decode_tok_s=9.0, vs_plain=2.0, step_ratio=1.5)  # fmt: skip
+    table = dspark.spec_table([
+        dict(sg, backend="triton"), dict(base, backend="triton", spec="none", decode_tok_s=5.0),
+        dict(sg, backend="atom"), dict(base, backend="atom", spec="none", decode_tok_s=6.0),
+    ])  # fmt: skip
+    labels = [ln.split("|")[3].strip() for ln in table.splitlines() if ln.startswith("| tiny ")]
+    sglang = "SGLang DSPARK k=4 forced 3"
+    assert labels == ["plain", f"{sglang}, atom backend",
+                      "plain, triton backend", f"{sglang}, triton backend"]  # fmt: skip
+
+
+def test_spec_sglang_flag_is_checked():
+    import bench_server
+
+    assert bench_server.parse_args(["--spec", "--spec-sglang", "triton,atom"]).spec_sglang == [
+        "triton", "atom"]  # fmt: skip
+    assert bench_server.parse_args(["--spec"]).spec_sglang == []
+    for argv, match in (
+        (["--spec", "--spec-sglang", "fa9"], "unknown"),
+        (["--spec-sglang", "triton"], "goes with --spec"),
+        (["--spec", "--spec-chain", "--spec-sglang", "triton"], "goes with --spec"),
+        (["--cpu-smoke", "--out", "/tmp/x", "--spec-sglang", "triton"], "refuses CPU"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            bench_server.parse_args(argv)
