@@ -183,6 +183,10 @@ def sglang_spec_server_args(
         "DSPARK",
         "--speculative-draft-model-path",
         str(draft),
+        # the draft's weights from its file, as ATOM_DSPARK's loader reads them, where the
+        # target's --load-format dummy would give SGLang's draft random ones of its own
+        "--speculative-draft-load-format",
+        "auto",
         "--speculative-num-draft-tokens",
         str(block + 1),
         "--speculative-draft-kv-cache-dtype",

@@ -523,6 +523,7 @@ def test_sglang_dspark_reads_the_same_draft_and_forces_the_same_acceptance(tmp_p
         ServerArgs.add_cli_args(parser)
         args = parser.parse_args(["--model-path", "m", *bench_server.BACKENDS[name][2], *flags])
         assert args.speculative_algorithm == "DSPARK" and args.speculative_num_draft_tokens == k + 1
+        assert args.speculative_draft_load_format == "auto"  # the file's weights, not dummy ones
         assert args.speculative_draft_kv_cache_dtype == {"bf16": "bf16", "fp8": "fp8_e4m3"}[kv]
         assert args.disable_overlap_schedule == (overlap == "off")
         # the draft's attention runs where SGLang's draft worker supports it (else it would fall
