@@ -14,7 +14,8 @@ The math is :mod:`sgl_atom.speculative.dspark.reference`'s (the float64 test ora
 launches: each layer's q/k/v and gate/up projections are one GEMM each (weights fused at load),
 q and k heads are normalized and rotated together, norms are torch's fused RMSNorm, and the RoPE
 rows of a pass are gathered once for all its layers. Every table lives on the inputs' device
-(RoPE cos/sin cached per device and dtype, grown on demand), and a draft layer's block attention
+(RoPE cos/sin of the config's ``rope_theta`` and ``rope_scaling``, :mod:`..rope`, cached per
+device and dtype, grown on demand), and a draft layer's block attention
 is one paged-attention call: the block's K/V go to the pool's
 scratch rows, which the page table places right after each request's context, and the atom
 ``verify`` kernel with ``causal=False`` lets every block row see context and block
@@ -40,6 +41,7 @@ from sgl_atom.speculative.dspark import reference as ref
 from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 from sgl_atom.speculative.dspark.markov import markov_refine
 from sgl_atom.speculative.dspark.pool import attention_q_dtype
+from sgl_atom.speculative.dspark.rope import tables as scaled_rope_tables
 from sgl_atom.speculative.dspark.weights import check_draft_weights
 
 logger = get_logger("sgl_atom.speculative")
@@ -315,12 +317,8 @@ class _Block:
 
 
 def _rope_tables(cfg: DSparkDraftConfig, device, dtype: torch.dtype, n: int):
-    half = cfg.head_dim // 2
-    idx = torch.arange(half, dtype=torch.float64, device=device)
-    inv_freq = 1.0 / cfg.rope_theta ** (idx / half)
-    ang = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
-    cos, sin = ang.cos(), ang.sin()
-    return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+    cos, sin = scaled_rope_tables(cfg, torch.arange(n, device=device))
+    return cos.to(dtype), sin.to(dtype)
 
 
 EntryClass = AtomDSparkDraftModel

@@ -243,6 +243,24 @@ def test_rope_tables_live_on_the_inputs_device_and_grow(served):
     torch.testing.assert_close(longer[: cos.shape[0]], cos, rtol=0, atol=0)
 
 
+def test_context_kv_rotates_with_the_configs_rope_scaling(model):
+    """A llama3-scaled draft's context K is the reference's under the same scaling (to float64
+    precision) and not the plain draft's: the scaling reaches the served tables."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    scaled = placed(model, torch.float64, rope_scaling=scaling)
+    cfg = scaled.dspark
+    taps = torch.randn(300, cfg.num_taps * cfg.tap_hidden_size, dtype=torch.float64)
+    positions = torch.arange(300)
+    got = scaled.context_kv(taps, positions, 299)
+    want = ref.reference_context_kv(model.w, cfg, taps, positions)
+    plain = model.context_kv(taps, positions, 299)
+    for (k, v), (wk, wv), (pk, _) in zip(got, want, plain, strict=True):
+        torch.testing.assert_close(k, wk, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v, wv, rtol=1e-12, atol=1e-12)
+        assert (k - pk).abs().max() > 1e-2
+
+
 def test_block_page_table_puts_the_block_after_each_context():
     ctx = torch.tensor([[5, 6, 7], [9, 0, 0]], dtype=torch.int32)
     scratch = torch.tensor([[100, 101], [102, 103]], dtype=torch.int32)

@@ -26,6 +26,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
+from sgl_atom.speculative.dspark.rope import parse_rope_scaling
+
 # Markov head types real drafters declare; only the vanilla head (W1 embedding, W2 projection)
 # is implemented here.
 KNOWN_MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -112,6 +114,8 @@ class DSparkDraftConfig:
     sample_from_anchor: bool = True
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # a checked rope_scaling (transformers' rope_parameters read alike); None: plain RoPE
+    rope_scaling: Annotated[Any, AfterValidator(parse_rope_scaling)] = None
     max_position_embeddings: Positive = 32768
     target_hidden_size: Positive | None = None
 
@@ -156,6 +160,7 @@ class DSparkDraftConfig:
         places = {"architecture": "architectures"}  # where each field was read, for errors
         raw = {"architecture": _architecture(d), "target_hidden_size": d.get("target_hidden_size")}
         raw |= {k: text.get(k) for k in _SHAPE_KEYS}
+        places["rope_scaling"], raw["rope_scaling"] = _rope_lookup(text, raw)
         for field, keys in _DSPARK_KEYS.items():
             places[field], raw[field] = _dspark_lookup(d, keys)
         if raw["num_key_value_heads"] is None:
@@ -184,6 +189,7 @@ class DSparkDraftConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict in DeepSpec's layout, DSpark keys in plain and prefixed spelling."""
         d = asdict(self)
+        d["rope_scaling"] = self.rope_scaling.to_hf() if self.rope_scaling else None
         arch = d.pop("architecture")
         ids = list(d.pop("target_layer_ids"))
         out: dict[str, Any] = {"architectures": [arch], "model_type": "qwen3"}
@@ -225,6 +231,17 @@ def _refusal(err: dict[str, Any], places: dict[str, str]) -> DSparkConfigError:
     return DSparkConfigError(
         f"DSpark draft config: {places.get(field, field)}={got!r}, expected {expected}"
     )
+
+
+def _rope_lookup(text: dict, raw: dict) -> tuple[str, Any]:
+    """(where, value) of the RoPE scaling: ``rope_scaling``, else transformers'
+    ``rope_parameters`` (whose ``rope_theta`` stands in for a missing top-level one)."""
+    if text.get("rope_scaling") is not None:
+        return "rope_scaling", text["rope_scaling"]
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and raw.get("rope_theta") is None:
+        raw["rope_theta"] = params.get("rope_theta")
+    return "rope_parameters", params
 
 
 def _architecture(d: dict) -> Any:

@@ -26,6 +26,7 @@ import torch
 
 from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 from sgl_atom.speculative.dspark.markov import markov_refine
+from sgl_atom.speculative.dspark.rope import tables as rope_tables
 
 Weights = dict[str, torch.Tensor]
 
@@ -35,15 +36,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(var + eps) * weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE over the whole head: x [tokens, heads, head_dim], positions [tokens]."""
+def rope(x: torch.Tensor, positions: torch.Tensor, cfg: DSparkDraftConfig) -> torch.Tensor:
+    """Rotate-half RoPE over the whole head, with the config's ``rope_theta`` and
+    ``rope_scaling`` (:mod:`.rope`): x [tokens, heads, head_dim], positions [tokens]."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    ang = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], dim=-1)[:, None, :].to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], dim=-1)[:, None, :].to(x.dtype)
+    cos, sin = rope_tables(cfg, positions.to(x.device))
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None, :].to(x.dtype) + rotated * sin[:, None, :].to(x.dtype)
 
 
 def taps_from_hidden_states(
@@ -86,7 +85,7 @@ def _heads(x: torch.Tensor, n: int, cfg: DSparkDraftConfig) -> torch.Tensor:
 def _kv(w: Weights, cfg: DSparkDraftConfig, i: int, x: torch.Tensor, positions: torch.Tensor):
     p = f"layers.{i}.self_attn."
     k = _heads(x @ w[p + "k_proj.weight"].T, cfg.num_key_value_heads, cfg)
-    k = rope(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    k = rope(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), positions, cfg)
     v = _heads(x @ w[p + "v_proj.weight"].T, cfg.num_key_value_heads, cfg)
     return k, v
 
@@ -127,7 +126,7 @@ def draft_layer(w, cfg, i, x, positions, ctx_k, ctx_v, mask=None) -> torch.Tenso
     p, eps = f"layers.{i}.", cfg.rms_norm_eps
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
     q = _heads(h @ w[p + "self_attn.q_proj.weight"].T, cfg.num_attention_heads, cfg)
-    q = rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), positions, cfg.rope_theta)
+    q = rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), positions, cfg)
     k, v = _kv(w, cfg, i, h, positions)
     attn = masked_attention(q, torch.cat([ctx_k, k]), torch.cat([ctx_v, v]), cfg, mask)
     x = x + attn @ w[p + "self_attn.o_proj.weight"].T
