@@ -522,13 +522,15 @@ def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> li
 
 
 def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu,
-               save=lambda rows: None, serial=False, overlaps=("on",), sglang=()):  # fmt: skip
+               save=lambda rows: None, serial=False, overlaps=("on",), sglang=(),
+               atom_rows=True):  # fmt: skip
     """The plain atom bf16 decode of ``model`` (with ``serial``, once more without overlap
     scheduling), then ATOM_DSPARK with a random draft of real shape per (block k, forced N),
     draft KV dtype and overlap mode (``overlaps``: "on", SGLang's default, and/or "off"), each
     server after the other; then, per target backend of ``sglang`` (``SGLANG_SPEC_TARGETS``),
-    SGLang's own DSpark worker on the same draft weights (:func:`bench_sglang_spec`). ``save``
-    gets the rows so far after each server."""
+    SGLang's own DSpark worker on the same draft weights (:func:`bench_sglang_spec`). Without
+    ``atom_rows`` no ATOM_DSPARK server runs, and the plain atom one only where an SGLang
+    target is atom. ``save`` gets the rows so far after each server."""
     path = write_model(model, root)
     drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
     env = CPU_ENV if cpu else {}
@@ -538,7 +540,9 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
     baselines = {"none": ([], "plain")}
     if serial:
         baselines[dspark.SERIAL] = (["--disable-overlap-schedule"], "plain-no-overlap")
-    plains: dict[str, list[Row]] = {}
+    if not atom_rows:
+        baselines = {k: v for k, v in baselines.items() if k == "none" and "atom" in sglang}
+    plains: dict[str, list[Row]] = {"none": []}
     rows: list[Row] = []
     for kind, (flags, label) in baselines.items():
         args = server_args([*base, *flags], workloads, output, cpu, interval)
@@ -552,7 +556,7 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
         rows += plains[kind]
         save(rows)
     plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
-    for (k, n), kv, ov in itertools.product(blocks, draft_kvs, overlaps):
+    for (k, n), kv, ov in itertools.product(blocks, draft_kvs, overlaps) if atom_rows else ():
         name = f"{model}_dspark-k{k}-n{n}-{kv}" + dspark.OVERLAP_SUFFIX.get(ov, "")
         spec = dspark.spec_server_args(drafts[k], kv, n, ov)
         args = server_args([*base, *spec], workloads, output, cpu, interval)
@@ -975,6 +979,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "decode; GPU only",
     )
     ap.add_argument(
+        "--spec-sglang-only",
+        action="store_true",
+        help="--spec-sglang without ATOM_DSPARK's servers (and without the plain atom one "
+        "unless a target is atom): SGLang's rows of a call of their own, merged into --out's "
+        "server.json beside ATOM_DSPARK's rows of an earlier call",
+    )
+    ap.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="--spec on CPU, tiny shape, 2x64, 8 new tokens: the code path, not figures",
@@ -1054,6 +1065,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "refuses CPU, and the chain rows measure ATOM_DSPARK alone"
         )
     args.spec_sglang = sglang
+    if args.spec_sglang_only and not sglang:
+        raise SystemExit("--spec-sglang-only: name SGLang's targets with --spec-sglang")
     if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8", "int4"}:
         raise SystemExit(f"--m3-index: {sorted(bad)} unknown; give auto, bf16, fp8 or int4")
     if bad := set(args.m3_kinds.split(",")) - {"sparse", "dense"}:
@@ -1102,7 +1115,7 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
                 rows += bench_spec(
                     model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
                     args.cpu_smoke, lambda new, done=done: save(done + new), args.serial_plain,
-                    args.spec_overlap.split(","), args.spec_sglang,
+                    args.spec_overlap.split(","), args.spec_sglang, not args.spec_sglang_only,
                 )  # fmt: skip
                 continue
             for name in args.backends.split(","):

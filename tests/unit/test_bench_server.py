@@ -615,6 +615,48 @@ def test_sglang_dspark_rows_sit_beside_their_backends_plain_decode(tmp_path, mon
                       "plain, triton backend", f"{sglang}, triton backend"]  # fmt: skip
 
 
+@pytest.mark.parametrize("targets", [["triton"], ["atom", "triton"]])
+def test_spec_sglang_only_starts_no_atom_dspark_server(tmp_path, monkeypatch, targets):
+    """--spec-sglang-only: no ATOM_DSPARK server, the plain atom one only for an atom target,
+    and every SGLang target still measured (against those plain rows where it is atom)."""
+    from contextlib import contextmanager
+
+    import bench_server
+
+    started, sglang = [], []
+
+    @contextmanager
+    def fake_started(path, args, name, env, logs, warm):
+        started.append(name)
+        yield SimpleNamespace(name=name)
+
+    def fake_plain(srv, model, backend, kv, batch, prompt, output, gbps, run_id, extra):
+        return bench_server.Row(model, backend, kv, batch, prompt, output, 1.0, 0.1, 0.0,
+                                run_id, extra=dict(extra))  # fmt: skip
+
+    def fake_sglang(model, target, plain, spec, gbps, save):
+        sglang.append((target, len(plain)))
+        return []
+
+    monkeypatch.setattr(bench_server, "write_model", lambda model, root: tmp_path)
+    monkeypatch.setattr(bench_server.dspark, "write_drafts", lambda *a: {4: tmp_path})
+    monkeypatch.setattr(bench_server, "started", fake_started)
+    monkeypatch.setattr(bench_server, "run_workload", fake_plain)
+    monkeypatch.setattr(bench_server, "bench_sglang_spec", fake_sglang)
+    monkeypatch.setattr(bench_server, "run_spec_workload", lambda srv, plain, *a: plain)
+    loads = [(1, 64), (2, 64)]
+    rows = bench_server.bench_spec("tiny", loads, 8, 1.0, "r", tmp_path, "", [(4, 3)], ["bf16"],
+                                   False, sglang=targets, atom_rows=False)  # fmt: skip
+    atom = "atom" in targets
+    assert started == (["tiny_atom-bf16-plain"] if atom else [])
+    assert len(rows) == (2 if atom else 0)
+    assert sglang == [(t, 2 if atom else 0) for t in targets]
+    started.clear()
+    bench_server.bench_spec("tiny", loads, 8, 1.0, "r", tmp_path, "", [(4, 3)], ["bf16"], False,
+                            sglang=targets)  # fmt: skip
+    assert started == ["tiny_atom-bf16-plain", "tiny_dspark-k4-n3-bf16"]
+
+
 def test_spec_sglang_flag_is_checked():
     import bench_server
 
@@ -626,6 +668,7 @@ def test_spec_sglang_flag_is_checked():
         (["--spec-sglang", "triton"], "goes with --spec"),
         (["--spec", "--spec-chain", "--spec-sglang", "triton"], "goes with --spec"),
         (["--cpu-smoke", "--out", "/tmp/x", "--spec-sglang", "triton"], "refuses CPU"),
+        (["--spec", "--spec-sglang-only"], "name SGLang's targets"),
     ):
         with pytest.raises(SystemExit, match=match):
             bench_server.parse_args(argv)
