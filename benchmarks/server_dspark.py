@@ -312,6 +312,15 @@ def spec_log_rate(log: str, batch: int) -> tuple[float, float, int]:
     return rate, sum(a for a, _ in hits) / len(hits), len(hits)
 
 
+def admitted(log: str, batch: int) -> int:
+    """Requests of a ``batch`` that decoded together: all of them when a decode line has them
+    all running, else the most any line had (a server whose admission stops short of the
+    batch, as SGLang's DSpark worker runs 62 of 64 requests of 4K context, the rest queued)."""
+    counts = [int(n) for n, _, _ in SPEC_RE.findall(log)]
+    below = [c for c in counts if c <= batch]
+    return batch if batch in counts or not below else max(below)
+
+
 def step_ratio(spec_tok_s: float, accept_len: float, plain_tok_s: float) -> float:
     """Time of one draft+verify step over one plain decode step at the same batch: a step makes
     batch x accept_len tokens with speculation and batch tokens without."""
@@ -321,14 +330,16 @@ def step_ratio(spec_tok_s: float, accept_len: float, plain_tok_s: float) -> floa
 def spec_label(r: dict) -> str:
     """A forced-acceptance table row's serving: the atom plain decode ("plain"), another
     backend's ("plain, triton backend"), ATOM_DSPARK ("k=4 forced 3") or SGLang's own DSpark
-    worker on a target backend ("SGLang DSPARK k=4 forced 3, triton backend")."""
+    worker on a target backend ("SGLang DSPARK k=4 forced 3, triton backend"), and how many of
+    the batch ran together where a server ran fewer ("..., 62 of 64 running")."""
     on = "" if r["backend"] == "atom" and r["spec"] != SGLANG_SPEC else f", {r['backend']} backend"
     if r["spec"] == "none":
         return f"plain{on}"
     if r["spec"] == SERIAL:
         return f"plain, no overlap{on}"
     who = "SGLang DSPARK " if r["spec"] == SGLANG_SPEC else ""
-    return f"{who}k={r['block']} forced {r['forced_accept']}{overlap_note(r)}{on}"
+    ran = f", {r['running']} of {r['batch']} running" if r.get("running") else ""
+    return f"{who}k={r['block']} forced {r['forced_accept']}{overlap_note(r)}{on}{ran}"
 
 
 def spec_table(rows: list[dict]) -> str:

@@ -481,6 +481,40 @@ def test_spec_log_rate_is_time_weighted():
     assert got == pytest.approx(tokens / seconds, rel=1e-5)
 
 
+def test_a_server_that_runs_fewer_of_the_batch_is_timed_over_those(monkeypatch):
+    """A spec server that admits 62 of 64 requests: its rate comes from the lines with 62
+    running (not the client's, whose tail decodes the queued two alone), and its step is that
+    of 62 requests against the plain step of 64; the row and its label say so."""
+    import bench_server
+    import server_dspark as dspark
+
+    rng = random.Random()
+    batch, running, accept = 64, rng.randint(50, 63), 4.0
+    rate = rng.uniform(3e3, 9e3)
+    line = ("Decode batch, #running-req: {n}, #token: 9, accept len: 4.00, "
+            "gen throughput (token/s): {r:.3f}, #queue-req: {q}")  # fmt: skip
+    log = "\n".join([line.format(n=running, r=rate, q=batch - running)] * 6
+                    + [line.format(n=batch - running, r=rate / 20, q=0)] * 3)  # fmt: skip
+    assert dspark.admitted(log, batch) == running
+    assert dspark.admitted(log.replace(f"running-req: {running},", "running-req: 64,"), 64) == 64
+    assert dspark.admitted("", batch) == batch
+    monkeypatch.setattr(bench_server, "timed_decode", lambda *a, **k: (0.1, log, rate / 3))
+    plain = bench_server.Row("tiny", "atom", "bf16", batch, 64, 8, 3000.0, 0.1, 0.0, "r",
+                             extra={"spec": "none"})  # fmt: skip
+    row = bench_server.run_spec_workload(None, plain, 4, 3, "bf16", spec=dspark.SGLANG_SPEC)
+    assert row.decode_tok_s == pytest.approx(rate, rel=1e-3)
+    step, plain_step = running * accept / rate, batch / plain.decode_tok_s
+    assert row.extra["step_ratio"] == pytest.approx(step / plain_step, rel=1e-3)
+    assert row.extra["running"] == running
+    label = dspark.spec_label({**row.extra, "backend": "atom", "batch": batch})
+    assert label.endswith(f", {running} of {batch} running")
+    whole = log.replace(f"running-req: {running},", f"running-req: {batch},")
+    monkeypatch.setattr(bench_server, "timed_decode", lambda *a, **k: (0.1, whole, rate / 3))
+    row = bench_server.run_spec_workload(None, plain, 4, 3, "bf16", spec=dspark.SGLANG_SPEC)
+    assert "running" not in row.extra
+    assert row.extra["step_ratio"] == pytest.approx(accept * plain.decode_tok_s / rate, rel=1e-3)
+
+
 def test_sglang_dspark_reads_the_same_draft_and_forces_the_same_acceptance(tmp_path):
     """``--spec-sglang``: SGLang's own DSpark parses the draft folder written for it as the same
     checkpoint (block, taps, Markov rank, mask token; the same weights file) under one of its
