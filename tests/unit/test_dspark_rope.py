@@ -106,6 +106,11 @@ def test_rope_parameters_are_read_like_rope_scaling():
         _hf(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 2e5})
     )
     assert plain.rope_scaling is None and plain.rope_theta == 2e5
+    both = DSparkDraftConfig.from_hf_dict(  # rope_scaling wins; the theta is still read
+        _hf(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 3e5},
+            rope_scaling=SCALINGS["linear"])
+    )  # fmt: skip
+    assert both.rope_theta == 3e5 and both.rope_scaling.rope_type == "linear"
     back = DSparkDraftConfig.from_hf_dict(cfg.to_hf_dict())
     assert back == cfg and back.to_hf_dict()["rope_scaling"] == {
         k: v for k, v in SCALINGS["llama3"].items()

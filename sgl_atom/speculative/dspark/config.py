@@ -236,11 +236,11 @@ def _refusal(err: dict[str, Any], places: dict[str, str]) -> DSparkConfigError:
 def _rope_lookup(text: dict, raw: dict) -> tuple[str, Any]:
     """(where, value) of the RoPE scaling: ``rope_scaling``, else transformers'
     ``rope_parameters`` (whose ``rope_theta`` stands in for a missing top-level one)."""
-    if text.get("rope_scaling") is not None:
-        return "rope_scaling", text["rope_scaling"]
     params = text.get("rope_parameters")
     if isinstance(params, dict) and raw.get("rope_theta") is None:
         raw["rope_theta"] = params.get("rope_theta")
+    if text.get("rope_scaling") is not None:
+        return "rope_scaling", text["rope_scaling"]
     return "rope_parameters", params
 
 
