@@ -10,17 +10,16 @@ points; neither runs through SGLang's ModelRunner, because the draft keeps its o
 * :meth:`propose` — one non-causal pass over ``[anchor, MASK x (k-1)]`` for every request of a
   batch at once, refined left to right by the low-rank Markov head.
 
-The math is :mod:`sgl_atom.speculative.dspark.reference`'s (the float64 test oracle), in fewer
-launches: each layer's q/k/v and gate/up projections are one GEMM each (weights fused at load),
-q and k heads are normalized and rotated together, norms are torch's fused RMSNorm, and the RoPE
-rows of a pass are gathered once for all its layers. Every table lives on the inputs' device
-(RoPE cos/sin of the config's ``rope_theta`` and ``rope_scaling``, :mod:`..rope`, cached per
-device and dtype, grown on demand), and a draft layer's block attention
-is one paged-attention call: the block's K/V go to the pool's
-scratch rows, which the page table places right after each request's context, and the atom
-``verify`` kernel with ``causal=False`` lets every block row see context and block
-(``kernel_ops(device).block``; on CPU ``SGL_ATOM_CPU_KERNELS`` picks the interpreted kernel or
-its torch reference, as for the atom backend).
+The layers are SGLang's: fused ``QKVParallelLinear`` and ``MergedColumnParallelLinear``
+projections and ``ReplicatedLinear`` ones, all replicated by design (``parallel_group=
+"replicated"``: the draft is small and runs whole on every TP rank, beside the target's shards),
+``RMSNorm`` (residual adds fused into the next norm), ``SiluAndMul`` and the rotary embedding of
+``get_rope`` with the config's ``rope_theta`` and ``rope_scaling``. A draft layer's block attention
+is one paged-attention call: the block's K/V go to the pool's scratch rows, which the page table
+places right after each request's context, and the atom ``verify`` kernel with ``causal=False``
+lets every block row see context and block (``kernel_ops(device).block``; on CPU
+``SGL_ATOM_CPU_KERNELS`` picks the interpreted kernel or its torch reference, as for the atom
+backend). The math is :mod:`sgl_atom.speculative.dspark.reference`'s, the float64 test oracle.
 """
 
 from __future__ import annotations
@@ -30,7 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+)
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.utils import add_prefix
 from torch import nn
 
 from sgl_atom.attention import decode_tuning
@@ -41,12 +49,94 @@ from sgl_atom.speculative.dspark import reference as ref
 from sgl_atom.speculative.dspark.config import DSparkDraftConfig
 from sgl_atom.speculative.dspark.markov import markov_refine
 from sgl_atom.speculative.dspark.pool import attention_q_dtype
-from sgl_atom.speculative.dspark.rope import tables as scaled_rope_tables
 from sgl_atom.speculative.dspark.weights import check_draft_weights
 
 logger = get_logger("sgl_atom.speculative")
 
-MIN_ROPE_POSITIONS = 4096  # first RoPE table length; it doubles past the positions asked for
+REPLICATED = "replicated"  # SGLang's linear parallel group of a layer every rank holds whole
+# checkpoint name part -> (fused parameter name part, shard id), as SGLang's Llama loads them
+STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DSparkDraftAttention(nn.Module):
+    """q/k/v in one GEMM, per-head q and k RMSNorm, the output projection; the attention itself
+    is the model's (over the draft pool)."""
+
+    def __init__(self, cfg: DSparkDraftConfig, prefix: str) -> None:
+        super().__init__()
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size, self.head_dim = hq * d, hkv * d, d
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, hq, hkv, bias=False, parallel_group=REPLICATED,
+            prefix=add_prefix("qkv_proj", prefix),
+        )  # fmt: skip
+        self.o_proj = ReplicatedLinear(
+            hq * d, cfg.hidden_size, bias=False, prefix=add_prefix("o_proj", prefix)
+        )
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+
+    def heads_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``norm`` over every head of x [tokens, heads * head_dim] -> [tokens, heads, head_dim]."""
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1, self.head_dim)
+
+    def kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K before its norm, V) [tokens, kv_size] of context rows: one GEMM over the fused
+        weight's k/v rows (no q rows: the context is never a query)."""
+        kv = nn.functional.linear(hidden, self.qkv_proj.weight[self.q_size :])
+        return kv.split([self.kv_size, self.kv_size], dim=-1)
+
+
+class DSparkDraftMLP(nn.Module):
+    def __init__(self, cfg: DSparkDraftConfig, prefix: str) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias=False, parallel_group=REPLICATED,
+            prefix=add_prefix("gate_up_proj", prefix),
+        )  # fmt: skip
+        self.act_fn = SiluAndMul()
+        self.down_proj = ReplicatedLinear(
+            inter, cfg.hidden_size, bias=False, prefix=add_prefix("down_proj", prefix)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act_fn(gate_up))
+        return out
+
+
+class DSparkDraftLayer(nn.Module):
+    def __init__(self, cfg: DSparkDraftConfig, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DSparkDraftAttention(cfg, add_prefix("self_attn", prefix))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = DSparkDraftMLP(cfg, add_prefix("mlp", prefix))
+
+
+class MarkovHead(nn.Module):
+    """The low-rank Markov head's two [vocab, rank] matrices (read by ``markov_refine``)."""
+
+    def __init__(self, cfg: DSparkDraftConfig) -> None:
+        super().__init__()
+        self.markov_w1 = ReplicatedLinear(cfg.markov_rank, cfg.vocab_size, bias=False)
+        self.markov_w2 = ReplicatedLinear(cfg.markov_rank, cfg.vocab_size, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    """A trained drafter's confidence head: loaded and checked, not used to draft."""
+
+    def __init__(self, cfg: DSparkDraftConfig) -> None:
+        super().__init__()
+        width = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+        self.proj = ReplicatedLinear(width, 1, bias=True)
 
 
 class AtomDSparkDraftModel(nn.Module):
@@ -61,158 +151,157 @@ class AtomDSparkDraftModel(nn.Module):
                 "unquantized (its KV can still be fp8 via --speculative-draft-kv-cache-dtype)"
             )
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        self.dspark = DSparkDraftConfig.from_hf_dict(raw)
-        self.w: dict[str, torch.Tensor] = {}
-        self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dspark = cfg = DSparkDraftConfig.from_hf_dict(raw)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = ReplicatedLinear(cfg.num_taps * cfg.tap_hidden_size, h, bias=False)
+        self.hidden_norm = RMSNorm(h, eps=eps)
+        self.layers = nn.ModuleList(
+            DSparkDraftLayer(cfg, add_prefix(f"layers.{i}", prefix))
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, eps=eps)
+        self.markov_head = MarkovHead(cfg)
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(cfg)
+        self.rotary_emb = self._rope(cfg.max_position_embeddings)
         self._tilings: dict[tuple, decode_tuning.DecodeTuning] = {}
 
+    # ------------------------------------------------------------- weights
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            self.w[name.removeprefix("model.")] = tensor  # unknown names are refused below
-        check_draft_weights(self.dspark, self.w)
+        """The checkpoint's tensors (q/k/v and gate/up into their fused parameters); a missing,
+        unexpected or misshapen tensor is refused before any parameter is written."""
+        named = {name.removeprefix("model."): t for name, t in weights}
+        check_draft_weights(self.dspark, named)
+        params = dict(self.named_parameters())
+        for name, tensor in named.items():
+            part = name.split(".")[-2]
+            if part in STACKED:
+                fused, shard = STACKED[part]
+                param = params[name.replace(f".{part}.", f".{fused}.")]
+                param.weight_loader(param, tensor, shard)
+            else:
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its checkpoint name: views of the served parameters (the fused
+        q/k/v and gate/up split by rows), what the float64 reference reads."""
+        out = {}
+        for name, param in self.named_parameters():
+            owner, fused = name.rsplit(".", 2)[:2] if name.count(".") > 1 else ("", "")
+            parts = [p for p, (f, _) in STACKED.items() if f == fused]
+            if not parts:
+                out[name] = param.data
+                continue
+            rows = self.get_submodule(f"{owner}.{fused}").output_sizes
+            for part, chunk in zip(parts, param.data.split(rows), strict=True):
+                out[name.replace(f".{fused}.", f".{part}.")] = chunk
+        return out
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> AtomDSparkDraftModel:
-        """Weights to ``device`` and ``dtype``, projections fused there (once, at the served
-        placement): the passes need a placed draft."""
-        self.w = {n: t.to(device=device, dtype=dtype).contiguous() for n, t in self.w.items()}
-        self._fuse_projections()
-        self._rope.clear()
+        """Parameters to ``device`` and ``dtype`` (the target's), the rotary table to
+        ``device`` (it stays float32): the passes need a placed draft."""
+        for param in self.parameters():
+            param.data = param.data.to(device=device, dtype=dtype)
+        self.rotary_emb.to(device)
         return self
-
-    def _fuse_projections(self) -> None:
-        """Each layer's q/k/v and gate/up weights as one matrix, so a pass runs one GEMM for
-        each; the named weights become row views of it (nothing is held twice). The q and k
-        norms' weights stacked per head ``[q_heads + kv_heads, head_dim]``: both are
-        normalized and rotated in one go."""
-        cfg = self.dspark
-        self._qkv, self._gate_up, self._qk_norm = [], [], []
-        for i in range(cfg.num_hidden_layers):
-            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            self._qkv.append(
-                self._stack([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
-            )
-            self._gate_up.append(self._stack([m + "gate_proj.weight", m + "up_proj.weight"]))
-            qn, kn = self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"]
-            heads = (qn.expand(cfg.num_attention_heads, -1), kn.expand(cfg.num_key_value_heads, -1))
-            self._qk_norm.append(torch.cat(heads))
-
-    def _stack(self, names: list[str]) -> torch.Tensor:
-        fused = torch.cat([self.w[n] for n in names])
-        row = 0
-        for n in names:
-            rows = self.w[n].shape[0]
-            self.w[n] = fused[row : row + rows]
-            row += rows
-        return fused
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.w["fc.weight"].dtype
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
 
     # ------------------------------------------------------------------ RoPE
 
-    def rope_tables(
-        self, device: torch.device, dtype: torch.dtype, positions: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [>= positions, head_dim] on ``device``, float64 for a float64 draft else
-        float32; computed once per device and dtype and regrown (doubling) when too short."""
-        table = torch.float64 if dtype == torch.float64 else torch.float32
-        key = (torch.device(device), table)
-        cached = self._rope.get(key)
-        if cached is None or cached[0].shape[0] < positions:
-            n = max(MIN_ROPE_POSITIONS, cached[0].shape[0] if cached else 0)
-            while n < positions:
-                n *= 2
-            cached = self._rope[key] = _rope_tables(self.dspark, device, table, n)
-        return cached
+    def _rope(self, positions: int) -> nn.Module:
+        cfg = self.dspark
+        scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
+        return get_rope(
+            cfg.head_dim, cfg.head_dim, positions, cfg.rope_theta, True, scaling,
+            dtype=torch.float32,
+        )  # fmt: skip
 
-    def _rope_rows(self, positions: torch.Tensor, max_position: int | None):
-        """(cos, sin) [tokens, 1, head_dim] at ``positions``, gathered once per pass for every
-        layer's rotations; ``max_position`` a bound known on the host (else read from the
-        device, a sync; the worker always passes it)."""
-        if max_position is None:
-            max_position = int(positions.max()) if positions.numel() else 0
-        cos, sin = self.rope_tables(positions.device, self.dtype, max_position + 1)
-        return cos[positions][:, None, :], sin[positions][:, None, :]
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """reference.rope of x [tokens, heads, head_dim] with the rows of :meth:`_rope_rows`."""
-        cos, sin = rope
-        half = x.shape[-1] // 2
-        xf = x.to(cos.dtype)
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return torch.addcmul(xf * cos, rotated, sin).to(x.dtype)
+    def cover_positions(self, positions: int) -> None:
+        """Make the rotary table hold ``positions`` rows (positions 0..positions-1): SGLang's
+        RoPE kernel reads past its table unchecked. Regrown (doubling) on the host, so call it
+        before capturing a graph; refused when the scaling fixes the table shorter."""
+        have = self.rotary_emb.cos_sin_cache.shape[0]
+        if positions <= have:
+            return
+        n = have
+        while n < positions:
+            n *= 2
+        rope = self._rope(n).to(self.device)
+        if rope.cos_sin_cache.shape[0] < positions:
+            cfg = self.dspark
+            raise ValueError(
+                f"the DSpark draft's RoPE ({cfg.rope_scaling.rope_type} scaling) covers "
+                f"{rope.cos_sin_cache.shape[0]} positions, the server needs {positions}: serve "
+                "a shorter --context-length"
+            )
+        self.rotary_emb = rope
 
     # ------------------------------------------------------------- layers
-
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """reference.rms_norm as one op (torch's fused RMSNorm on CUDA)."""
-        w = self.w[name]
-        return F.rms_norm(x, (w.shape[-1],), w, self.dspark.rms_norm_eps)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(x.shape[0], n, self.dspark.head_dim)
-
-    def _context_layer_kv(
-        self, i: int, ctx: torch.Tensor, rope
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s (K, V) of context rows: one GEMM over the fused weight's k/v rows."""
-        cfg = self.dspark
-        kv_width = cfg.num_key_value_heads * cfg.head_dim
-        kv = ctx @ self._qkv[i][-2 * kv_width :].T
-        k = self._norm(self._heads(kv[:, :kv_width], cfg.num_key_value_heads),
-                       f"layers.{i}.self_attn.k_norm.weight")  # fmt: skip
-        return self._rotate(k, rope), self._heads(kv[:, kv_width:], cfg.num_key_value_heads)
 
     @torch.no_grad()
     def context_kv(
         self, taps: torch.Tensor, positions: torch.Tensor, max_position: int | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps [tokens, num_taps * target_hidden], positions [tokens] -> per draft layer
-        (K, V), each [tokens, kv_heads, head_dim] (views of one GEMM's output: token stride
-        free, head_dim contiguous). ``max_position``: a bound on ``positions`` known on the
-        host (else read from the device)."""
+        (K, V), each [tokens, kv_heads, head_dim] (head_dim contiguous). ``max_position``: a
+        bound on ``positions`` known on the host (else read from the device)."""
         cfg = self.dspark
         ref.check_taps(cfg, taps)
-        ctx = self._norm(taps.to(self.dtype) @ self.w["fc.weight"].T, "hidden_norm.weight")
-        rope = self._rope_rows(positions, max_position)
-        return [self._context_layer_kv(i, ctx, rope) for i in range(cfg.num_hidden_layers)]
+        self.cover_positions(_bound(positions, max_position) + 1)
+        ctx = self.hidden_norm(self.fc(taps.to(self.dtype))[0])
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            k, v = attn.kv(ctx)
+            k = attn.heads_norm(k, attn.k_norm)
+            _, k = self.rotary_emb(positions, torch.empty_like(k), k)  # K alone: a dummy q
+            out.append((k, v.view(k.shape)))
+        return out
 
-    def _block_layer(self, i: int, x: torch.Tensor, blk) -> torch.Tensor:
-        """Draft layer ``i`` over the block rows x [batch * k, hidden] of every request: one
-        GEMM for q/k/v, q and k normalized and rotated together, one GEMM for gate/up."""
-        p, cfg = f"layers.{i}.", self.dspark
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h = self._norm(x, p + "input_layernorm.weight")
-        qkv = h @ self._qkv[i].T
-        qk = F.rms_norm(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), (d,), None,
-                        cfg.rms_norm_eps) * self._qk_norm[i]  # fmt: skip
-        qk = self._rotate(qk, blk.rope)
-        q, k = qk[:, :hq], qk[:, hq:]
-        blk.pool.write(i, blk.scratch, k, self._heads(qkv[:, (hq + hkv) * d :], hkv))
-        ks, vs = blk.pool.scales(i)
-        qa = q.to(attention_q_dtype(blk.pool.k_all[i].dtype, q.dtype))
-        attn = blk.ops.block(
+    def _block_layer(
+        self, layer: DSparkDraftLayer, x: torch.Tensor, residual: torch.Tensor | None, blk
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft layer over the block rows x [batch * k, hidden] of every request (the
+        residual stream beside it, None before the first layer)."""
+        attn = layer.self_attn
+        if residual is None:
+            x, residual = layer.input_layernorm(x), x
+        else:
+            x, residual = layer.input_layernorm(x, residual)
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = self.rotary_emb(blk.positions, attn.heads_norm(q, attn.q_norm),
+                            attn.heads_norm(k, attn.k_norm))  # fmt: skip
+        blk.pool.write(blk.layer, blk.scratch, k, v.view(k.shape))
+        ks, vs = blk.pool.scales(blk.layer)
+        qa = q.to(attention_q_dtype(blk.pool.k_all[blk.layer].dtype, q.dtype))
+        out = blk.ops.block(
             qa,
-            blk.pool.k_all[i],
-            blk.pool.v_all[i],
+            blk.pool.k_all[blk.layer],
+            blk.pool.v_all[blk.layer],
             blk.page_table,
             blk.kv_lens,
             1,
-            cfg.head_dim**-0.5,
-            cfg.query_len,
+            attn.head_dim**-0.5,
+            self.dspark.query_len,
             torch.empty(qa.shape, dtype=qa.dtype, device=qa.device),
             ks,
             vs,
             num_splits=blk.num_splits,
             **blk.tiling,
-        ).to(q.dtype)
-        # the residual adds ride in the GEMMs' epilogues (addmm)
-        x = torch.addmm(x, attn.reshape(x.shape[0], -1), self.w[p + "self_attn.o_proj.weight"].T)
-        h = self._norm(x, p + "post_attention_layernorm.weight")
-        gate, up = (h @ self._gate_up[i].T).chunk(2, dim=-1)
-        return torch.addmm(x, F.silu(gate) * up, self.w[p + "mlp.down_proj.weight"].T)
+        ).to(x.dtype)
+        x, _ = attn.o_proj(out.reshape(x.shape[0], -1))
+        x, residual = layer.post_attention_layernorm(x, residual)
+        return layer.mlp(x), residual
 
     # ------------------------------------------------------------- propose
 
@@ -266,8 +355,7 @@ class AtomDSparkDraftModel(nn.Module):
         batch = anchors.shape[0]
         lens = context_lens.to(anchors.device)
         positions = (lens.long()[:, None] + torch.arange(q, device=lens.device)).reshape(-1)
-        if max_context is None:
-            max_context = int(lens.max()) if batch else 0
+        self.cover_positions(_bound(lens, max_context) + q)
         # one split plan per batch size, from the pool's capacity rather than this step's
         # lengths: the block attention's kernels see the same split count at every step of a
         # batch size, so growing contexts do not make Triton compile new variants (the target's
@@ -276,7 +364,7 @@ class AtomDSparkDraftModel(nn.Module):
         sms = num_sms(lens.device)
         splits = decode_num_splits(batch, cfg.num_key_value_heads, pool.slots, sms, tiling.waves)
         blk = _Block(
-            rope=self._rope_rows(positions, max_context + q - 1),
+            positions=positions,
             pool=pool,
             scratch=pool.scratch_rows(batch).reshape(-1),
             page_table=page_table,
@@ -285,10 +373,12 @@ class AtomDSparkDraftModel(nn.Module):
             num_splits=splits,
             tiling=tiling.kernel_kwargs(),
         )
-        x = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype)
-        for i in range(cfg.num_hidden_layers):
-            x = self._block_layer(i, x, blk)
-        h = self._norm(x, "norm.weight").view(batch, q, -1)
+        x, residual = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype), None
+        for i, layer in enumerate(self.layers):
+            blk.layer = i
+            x, residual = self._block_layer(layer, x, residual, blk)
+        h, _ = self.norm(x, residual)
+        h = h.view(batch, q, -1)
         if not cfg.sample_from_anchor:  # the anchor's row samples nothing: no LM head for it
             h = h[:, 1:]
         return h @ lm_head.T.to(self.dtype)
@@ -298,15 +388,15 @@ class AtomDSparkDraftModel(nn.Module):
         """Draft tokens [batch, k] int64: :meth:`base_logits` (same arguments) refined by the
         Markov head, batched on the device."""
         base = self.base_logits(anchors=anchors, **pass_args)
-        w1, w2 = self.w["markov_head.markov_w1.weight"], self.w["markov_head.markov_w2.weight"]
-        return markov_refine(base, anchors, w1, w2)
+        head = self.markov_head
+        return markov_refine(base, anchors, head.markov_w1.weight, head.markov_w2.weight)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Block:
     """What every draft layer of one pass shares."""
 
-    rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [batch * k, 1, head_dim] of the block rows
+    positions: torch.Tensor  # [batch * k] the block rows' positions
     pool: Any  # the DraftKVPool
     scratch: torch.Tensor  # [batch * k] the block rows' scratch slots
     page_table: torch.Tensor  # [batch, >= n + k] int32, page size 1
@@ -314,11 +404,14 @@ class _Block:
     ops: Any  # sgl_atom.attention.kernel_ops.KernelOps
     num_splits: int  # the block attention's context splits (fixed per batch size)
     tiling: dict  # the block attention's kernel tiling (the device's verify tiling)
+    layer: int = 0  # the draft layer running
 
 
-def _rope_tables(cfg: DSparkDraftConfig, device, dtype: torch.dtype, n: int):
-    cos, sin = scaled_rope_tables(cfg, torch.arange(n, device=device))
-    return cos.to(dtype), sin.to(dtype)
+def _bound(values: torch.Tensor, bound: int | None) -> int:
+    """``bound`` if the host knows it, else the largest of ``values`` (a device read)."""
+    if bound is not None:
+        return bound
+    return int(values.max()) if values.numel() else 0
 
 
 EntryClass = AtomDSparkDraftModel

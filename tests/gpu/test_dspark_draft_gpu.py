@@ -1,6 +1,7 @@
 """The DSpark draft on CUDA against the float64 reference: the unit test's ragged batch (NaN
-rows everywhere no context lives) through the served path, i.e. the fused q/k/v and gate/up
-GEMMs, torch's fused RMSNorm, the Triton KV store and block attention at the device's tiling."""
+rows everywhere no context lives) through the served path, i.e. SGLang's fused q/k/v and
+gate/up layers, its RMSNorm and rotary kernels, the Triton KV store and block attention at the
+device's tiling."""
 
 import os
 import sys
@@ -31,25 +32,32 @@ def test_draft_pass_and_context_write_on_cuda(oracle, dtype, report):
     case = Case(served, dtype, seed=21, device="cuda")
     case.write_context(served)
     for b, (t, s) in enumerate(zip(case.taps, case.slots, strict=True)):
-        want = ref.reference_context_kv(oracle.w, oracle.dspark, t, torch.arange(t.shape[0]))
+        want = ref.reference_context_kv(
+            oracle.checkpoint_weights(), oracle.dspark, t, torch.arange(t.shape[0])
+        )
         for layer, (k, v) in enumerate(want):
             rk, rv = case.pool.read(layer, s.cuda())
             assert_close_rel(rk.cpu(), k, TOL[dtype], what=f"K layer {layer} context {b}")
             assert_close_rel(rv.cpu(), v, TOL[dtype], what=f"V layer {layer} context {b}")
     base = served.base_logits(**case.pass_args(served)).cpu()
-    want = case.reference(oracle.w, oracle.dspark)
+    want = case.reference(oracle.checkpoint_weights(), oracle.dspark)
     for b, n in enumerate(case.LENS):
         assert_close_rel(base[b], want[b], TOL[dtype], what=f"base logits, context {n}")
     # the drafts are the Markov refinement of those logits (the fused kernel on CUDA against
     # the torch steps); how many blocks float64 drafts alike is reported (a near-tie may flip)
     args = case.pass_args(served)
     tokens = served.propose(**args)
-    w1, w2 = (served.w[f"markov_head.markov_w{i}.weight"] for i in (1, 2))
+    w1, w2 = served.markov_head.markov_w1.weight, served.markov_head.markov_w2.weight
     base = served.base_logits(**args)
     assert torch.equal(tokens, markov_refine(base, args["anchors"], w1, w2, return_logits=True)[0])
     expected = [
         ref.reference_propose(
-            oracle.w, oracle.dspark, taps=t, anchor=int(a), embed=case.embed, lm_head=case.head
+            oracle.checkpoint_weights(),
+            oracle.dspark,
+            taps=t,
+            anchor=int(a),
+            embed=case.embed,
+            lm_head=case.head,
         )[0]
         for t, a in zip(case.taps, case.anchors, strict=True)
     ]

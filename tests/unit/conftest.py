@@ -1,7 +1,8 @@
 """Unit tests run on CPU; Triton kernels run in Triton's interpreter when no CUDA device exists.
 
-TRITON_INTERPRET must be set before triton is first imported (sglang imports it too), so it is
-set here, before any unit test module is collected.
+TRITON_INTERPRET must be set before triton is first imported (sglang imports it too), and
+SGLang's CPU engine before sglang is, so both are set up here, before any unit test module is
+collected.
 """
 
 import os
@@ -13,6 +14,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # SGLang runs here as in the CPU servers (its layers built in-process, the DSpark draft's,
+    # take the CPU as their device): the CPU engine (read when sglang is first imported), the
+    # no-device libcuda its kernel package links against, loaded before anything imports it,
+    # and the speculative ops CPU mode adds
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import ctypes
+
+    from sgl_atom import cpu_spec_ops
+    from sgl_atom.cpu_mode import SHIM_NAME, build_shim
+
+    ctypes.CDLL(str(build_shim() / SHIM_NAME), mode=ctypes.RTLD_GLOBAL)
+    cpu_spec_ops.install()
 
 
 @pytest.fixture(scope="module")

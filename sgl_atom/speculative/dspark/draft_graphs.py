@@ -69,7 +69,7 @@ class DraftPass:
         self.rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
         # RoPE tables as long as any block position, grown now and never inside a graph
         self.max_position = self.width + draft.dspark.query_len - 1
-        draft.rope_tables(device, draft.dtype, self.max_position + 1)
+        draft.cover_positions(self.max_position + 1)
         # the verify window's rows (``window`` = k + 1 per request) for the context write
         cfg, rows = draft.dspark, max_bs * window
         self.window = window

@@ -134,9 +134,12 @@ def load_draft(
     arch = (raw.get("architectures") or ["<none>"])[0]
     cls = _draft_class(path, arch)
     check_taps_declared(cls, pp_size)
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
     from transformers import PretrainedConfig
 
-    model = cls(PretrainedConfig.from_dict(raw))
+    dtype = next(target.parameters()).dtype
+    with set_default_torch_dtype(dtype):  # parameters built at the served dtype
+        model = cls(PretrainedConfig.from_dict(raw))
     model.load_weights(_read_weights(path))
     tcfg = target.config
     num_layers = int(tcfg.num_hidden_layers)
@@ -156,7 +159,6 @@ def load_draft(
         getattr(model, MODEL_ARMED)(target)
     else:
         arm_taps(target, taps, num_layers, stage_layers(target)[0])
-    dtype = next(target.parameters()).dtype
     model.place(device, dtype)
     cfg = model.dspark
     logger.info(

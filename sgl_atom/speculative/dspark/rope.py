@@ -7,8 +7,9 @@ parameters and defaults SGLang's ``get_rope`` reads for the same types (so the d
 mean what the target's mean). Another scaling type, or a parameter of none of these, is refused
 when the config is read: silently rotating with plain frequencies would draft garbage.
 
-The tables are computed in float64 (the test oracle's math; the served draft casts them to its
-dtype) and checked against SGLang's own ``get_rope`` caches in the tests.
+The served draft rotates with SGLang's ``get_rope`` module for the checked scaling
+(:meth:`RopeScaling.to_hf`); the tables here are the float64 test oracle's, checked against
+``get_rope``'s caches in the tests.
 """
 
 from __future__ import annotations
