@@ -131,15 +131,20 @@ class Case:
             max_context=max(self.LENS),
         )
 
-    def reference(self, w, cfg) -> list[torch.Tensor]:
-        out = []
-        for t, a in zip(self.taps, self.anchors, strict=True):
-            out.append(
-                ref.reference_propose(
-                    w, cfg, taps=t, anchor=int(a), embed=self.embed, lm_head=self.head
-                )[1]
+    def reference_passes(self, w, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(draft tokens [k], base logits [k, vocab]) of every block from the float64 oracle."""
+        return [
+            ref.reference_propose(
+                w, cfg, taps=t, anchor=int(a), embed=self.embed, lm_head=self.head
             )
-        return out
+            for t, a in zip(self.taps, self.anchors, strict=True)
+        ]
+
+    def reference(self, w, cfg) -> list[torch.Tensor]:
+        return [base for _, base in self.reference_passes(w, cfg)]
+
+    def reference_drafts(self, w, cfg) -> list[torch.Tensor]:
+        return [tokens for tokens, _ in self.reference_passes(w, cfg)]
 
 
 # bf16 rounding of activations over two layers; fp8 (3 mantissa bits) K/V rows on top of it
@@ -180,17 +185,7 @@ def test_batched_propose_matches_the_float64_reference(model, served, dtype, ker
     w1 = served.markov_head.markov_w1.weight
     w2 = served.markov_head.markov_w2.weight
     assert torch.equal(tokens, markov_refine(base, case.anchors, w1, w2))
-    expected = [
-        ref.reference_propose(
-            model.checkpoint_weights(),
-            model.dspark,
-            taps=t,
-            anchor=int(a),
-            embed=case.embed,
-            lm_head=case.head,
-        )[0]
-        for t, a in zip(case.taps, case.anchors, strict=True)
-    ]
+    expected = case.reference_drafts(model.checkpoint_weights(), model.dspark)
     assert tokens.tolist() == torch.stack(expected).tolist()  # no near-tie at these seeds
 
 
@@ -204,16 +199,8 @@ def test_batched_propose_in_float64_equals_the_reference(model, monkeypatch):
     for b, want in enumerate(case.reference(model.checkpoint_weights(), model.dspark)):
         assert_close_rel(base[b], want, 1e-5, what=f"base logits, context {case.LENS[b]}")
     tokens = model.propose(**case.pass_args(model))
-    for b, (t, a) in enumerate(zip(case.taps, case.anchors, strict=True)):
-        expected = ref.reference_propose(
-            model.checkpoint_weights(),
-            model.dspark,
-            taps=t,
-            anchor=int(a),
-            embed=case.embed,
-            lm_head=case.head,
-        )[0]
-        assert tokens[b].tolist() == expected.tolist()
+    expected = case.reference_drafts(model.checkpoint_weights(), model.dspark)
+    assert tokens.tolist() == torch.stack(expected).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
