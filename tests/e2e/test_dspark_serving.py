@@ -318,14 +318,39 @@ REFUSED = {  # name: (args, env, what the start-up error names)
         MODELS_ENV,
         f"--speculative-algorithm {NAME} needs --attention-backend atom",
     ),
+    # a YaRN draft whose table (64 original positions x factor 1) the context outgrows
+    "rope-too-short": (
+        ["--speculative-algorithm", NAME, "--speculative-draft-model-path", "{yarn_draft}"],
+        MODELS_ENV,
+        "(yarn scaling) covers 64 positions, the server needs",
+    ),
 }
 
 
 @pytest.fixture(scope="module")
-def refused(servers, chain_target) -> dict[str, Server]:
+def yarn_draft(tmp_path_factory):
+    """The chain draft (its weights linked) under a YaRN scaling that fixes its RoPE table at
+    64 positions."""
+    path = tmp_path_factory.mktemp("yarn-draft")
+    raw = json.loads((DSPARK_CHAIN / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 64}
+    raw["rope_scaling"] = yarn
+    (path / "config.json").write_text(json.dumps(raw))
+    for f in DSPARK_CHAIN.iterdir():
+        if f.name != "config.json":
+            (path / f.name).symlink_to(f.resolve())
+    return path
+
+
+@pytest.fixture(scope="module")
+def refused(servers, chain_target, yarn_draft) -> dict[str, Server]:
     """The servers of REFUSED, started side by side; each must refuse start-up."""
     jobs = {
-        name: (chain_target, ["--attention-backend", "atom", *args], env)
+        name: (
+            chain_target,
+            ["--attention-backend", "atom", *(a.format(yarn_draft=yarn_draft) for a in args)],
+            env,
+        )
         for name, (args, env, _) in REFUSED.items()
     }
     return servers.start_many(jobs, timeout=240, refused=jobs)

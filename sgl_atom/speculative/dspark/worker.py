@@ -194,6 +194,10 @@ class AtomDSparkWorker(NGRAMWorker):
         )
         if not self.producer:
             check_block_attention(cfg, self.pool)
+        # RoPE rows for every position of the longest request and its block, now: a draft whose
+        # scaling fixes its table shorter is refused at start-up, not at a request
+        width = int(self.model_runner.req_to_token_pool.req_to_token.shape[1])
+        self.draft.cover_positions(width + cfg.query_len)
         # the atom P/D backend moves the draft pool with the target's KV
         state_of(kv_pool).draft_pool = self.pool
         at_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
