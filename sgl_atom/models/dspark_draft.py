@@ -268,10 +268,11 @@ class AtomDSparkDraftModel(nn.Module):
         return out
 
     def _block_layer(
-        self, layer: DSparkDraftLayer, x: torch.Tensor, residual: torch.Tensor | None, blk
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None, blk
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft layer over the block rows x [batch * k, hidden] of every request (the
+        """Draft layer ``i`` over the block rows x [batch * k, hidden] of every request (the
         residual stream beside it, None before the first layer)."""
+        layer = self.layers[i]
         attn = layer.self_attn
         if residual is None:
             x, residual = layer.input_layernorm(x), x
@@ -281,13 +282,13 @@ class AtomDSparkDraftModel(nn.Module):
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q, k = self.rotary_emb(blk.positions, attn.heads_norm(q, attn.q_norm),
                             attn.heads_norm(k, attn.k_norm))  # fmt: skip
-        blk.pool.write(blk.layer, blk.scratch, k, v.view(k.shape))
-        ks, vs = blk.pool.scales(blk.layer)
-        qa = q.to(attention_q_dtype(blk.pool.k_all[blk.layer].dtype, q.dtype))
+        blk.pool.write(i, blk.scratch, k, v.view(k.shape))
+        ks, vs = blk.pool.scales(i)
+        qa = q.to(attention_q_dtype(blk.pool.k_all[i].dtype, q.dtype))
         out = blk.ops.block(
             qa,
-            blk.pool.k_all[blk.layer],
-            blk.pool.v_all[blk.layer],
+            blk.pool.k_all[i],
+            blk.pool.v_all[i],
             blk.page_table,
             blk.kv_lens,
             1,
@@ -374,9 +375,8 @@ class AtomDSparkDraftModel(nn.Module):
             tiling=tiling.kernel_kwargs(),
         )
         x, residual = embed[ref.block_input_ids(anchors, cfg).reshape(-1)].to(self.dtype), None
-        for i, layer in enumerate(self.layers):
-            blk.layer = i
-            x, residual = self._block_layer(layer, x, residual, blk)
+        for i in range(len(self.layers)):
+            x, residual = self._block_layer(i, x, residual, blk)
         h, _ = self.norm(x, residual)
         h = h.view(batch, q, -1)
         if not cfg.sample_from_anchor:  # the anchor's row samples nothing: no LM head for it
@@ -392,7 +392,7 @@ class AtomDSparkDraftModel(nn.Module):
         return markov_refine(base, anchors, head.markov_w1.weight, head.markov_w2.weight)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Block:
     """What every draft layer of one pass shares."""
 
@@ -404,7 +404,6 @@ class _Block:
     ops: Any  # sgl_atom.attention.kernel_ops.KernelOps
     num_splits: int  # the block attention's context splits (fixed per batch size)
     tiling: dict  # the block attention's kernel tiling (the device's verify tiling)
-    layer: int = 0  # the draft layer running
 
 
 def _bound(values: torch.Tensor, bound: int | None) -> int:
