@@ -193,7 +193,9 @@ def test_spec_table_sets_each_dspark_step_beside_both_plain_decodes():
     rng = random.Random()
     plain, accept = rng.uniform(100, 5000), rng.choice([4, 6])
     serial = plain * rng.uniform(0.5, 0.8)  # the table keeps 3 significant digits
-    rate = rng.uniform(100, 9000)
+    # a step of 1 to 2 plain steps, as a speculative step takes (the table rounds ratios to
+    # 3 decimals: a ratio far below 1 would lose the relative precision checked below)
+    rate = accept * plain / rng.uniform(1.0, 2.0)
     base = {"model": "m", "backend": "atom", "batch": 16, "prompt": 4096, "run": "r",
             "ttft_s": 1.0}  # fmt: skip
     spec = {**base, "spec": "dspark", "block": 4, "forced_accept": accept - 1, "draft_kv": "bf16",
