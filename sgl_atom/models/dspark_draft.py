@@ -47,6 +47,13 @@ from sgl_atom.kernels.paged_attention import decode_num_splits
 from sgl_atom.log import get_logger
 from sgl_atom.speculative.dspark import reference as ref
 from sgl_atom.speculative.dspark.config import DSparkDraftConfig
+from sgl_atom.speculative.dspark.fp8_weights import (
+    DraftFp8LinearMethod,
+    Fp8Rows,
+    fp8_matmul,
+    is_quantized,
+    weight_rows,
+)
 from sgl_atom.speculative.dspark.markov import markov_refine
 from sgl_atom.speculative.dspark.pool import attention_q_dtype
 from sgl_atom.speculative.dspark.weights import check_draft_weights
@@ -89,7 +96,10 @@ class DSparkDraftAttention(nn.Module):
     def kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K before its norm, V) [tokens, kv_size] of context rows: one GEMM over the fused
         weight's k/v rows (no q rows: the context is never a query)."""
-        kv = nn.functional.linear(hidden, self.qkv_proj.weight[self.q_size :])
+        if is_quantized(self.qkv_proj):
+            kv = fp8_matmul(hidden, weight_rows(self.qkv_proj).rows(self.q_size), hidden.dtype)
+        else:
+            kv = nn.functional.linear(hidden, self.qkv_proj.weight[self.q_size :])
         return kv.split([self.kv_size, self.kv_size], dim=-1)
 
 
@@ -165,6 +175,7 @@ class AtomDSparkDraftModel(nn.Module):
             self.confidence_head = ConfidenceHead(cfg)
         self.rotary_emb = self._rope(cfg.max_position_embeddings)
         self._tilings: dict[tuple, decode_tuning.DecodeTuning] = {}
+        self.weight_quantization: str | None = None  # "fp8" once quantize_fp8 ran
 
     # ------------------------------------------------------------- weights
 
@@ -186,30 +197,66 @@ class AtomDSparkDraftModel(nn.Module):
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """Every tensor under its checkpoint name: views of the served parameters (the fused
-        q/k/v and gate/up split by rows), what the float64 reference reads."""
+        q/k/v and gate/up split by rows), what the float64 reference reads; an fp8 layer's
+        weight dequantized (float32), as its GEMMs multiply by it."""
         out = {}
         for name, param in self.named_parameters():
+            if name.endswith(".weight_scale"):
+                continue
+            module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            data = weight_rows(module).dequantized() if is_quantized(module) else param.data
             owner, fused = name.rsplit(".", 2)[:2] if name.count(".") > 1 else ("", "")
             parts = [p for p, (f, _) in STACKED.items() if f == fused]
             if not parts:
-                out[name] = param.data
+                out[name] = data
                 continue
             rows = self.get_submodule(f"{owner}.{fused}").output_sizes
-            for part, chunk in zip(parts, param.data.split(rows), strict=True):
+            for part, chunk in zip(parts, data.split(rows), strict=True):
                 out[name.replace(f".{fused}.", f".{part}.")] = chunk
         return out
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> AtomDSparkDraftModel:
         """Parameters to ``device`` and ``dtype`` (the target's), the rotary table to
-        ``device`` (it stays float32): the passes need a placed draft."""
+        ``device`` (it stays float32): the passes need a placed draft. Before
+        :meth:`quantize_fp8`, which quantizes the placed weights."""
+        if self.weight_quantization is not None:
+            raise RuntimeError("place the draft before quantizing its weights")
         for param in self.parameters():
             param.data = param.data.to(device=device, dtype=dtype)
         self.rotary_emb.to(device)
         return self
 
+    def linear_layers(self) -> dict[str, nn.Module]:
+        """The draft's own GEMM layers by name: ``fc`` and each layer's fused q/k/v, o, fused
+        gate/up and down projections (the Markov and confidence heads are not GEMMs of a pass)."""
+        out = {"fc": self.fc}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, mod in (("self_attn.qkv_proj", attn.qkv_proj), ("self_attn.o_proj",
+                              attn.o_proj), ("mlp.gate_up_proj", mlp.gate_up_proj),
+                              ("mlp.down_proj", mlp.down_proj)):  # fmt: skip
+                out[f"layers.{i}.{name}"] = mod
+        return out
+
+    def quantize_fp8(self) -> int:
+        """Quantize the placed draft's GEMM layers to fp8 rows in place (each an SGLang layer
+        with :class:`DraftFp8LinearMethod`); every layer is checked before any is changed.
+        Returns the bytes their weights now take."""
+        if self.weight_quantization is not None:
+            return 0
+        layers = self.linear_layers()
+        rows = {name: Fp8Rows.of(mod.weight.data, name) for name, mod in layers.items()}
+        for name, mod in layers.items():
+            mod.weight = nn.Parameter(rows[name].q, requires_grad=False)
+            mod.weight_scale = nn.Parameter(rows[name].scale, requires_grad=False)
+            mod.quant_method = DraftFp8LinearMethod()
+        self.weight_quantization = "fp8"
+        return sum(r.nbytes for r in rows.values())
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        """The compute dtype (the target's): the norms' weights, never quantized."""
+        return self.hidden_norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -347,8 +394,9 @@ class AtomDSparkDraftModel(nn.Module):
         0..n_b-1 the context rows, n_b..n_b+k-1 ``pool.scratch_rows(batch)[b]``
         (:func:`sgl_atom.speculative.dspark.pool.block_page_table`); pool: the draft's
         :class:`~sgl_atom.speculative.dspark.pool.DraftKVPool`, whose scratch rows this overwrites;
-        embed, lm_head: the target's [vocab, hidden] matrices; max_context: max n_b if the host
-        knows it. Nothing but the scratch rows is written.
+        embed, lm_head: the target's [vocab, hidden] matrices (lm_head may be its fp8 rows,
+        :class:`~sgl_atom.speculative.dspark.fp8_weights.Fp8Rows`); max_context: max n_b if the
+        host knows it. Nothing but the scratch rows is written.
         """
         from sgl_atom.attention.kernel_ops import kernel_ops
 
@@ -381,6 +429,8 @@ class AtomDSparkDraftModel(nn.Module):
         h = h.view(batch, q, -1)
         if not cfg.sample_from_anchor:  # the anchor's row samples nothing: no LM head for it
             h = h[:, 1:]
+        if isinstance(lm_head, Fp8Rows):  # the draft's fp8 copy of the target's head
+            return fp8_matmul(h, lm_head, self.dtype)
         return h @ lm_head.T.to(self.dtype)
 
     @torch.no_grad()

@@ -72,8 +72,10 @@ def chain_target():
 
 
 # "fp8-tp2": the target at TP2 (its embedding and LM head gathered for the draft, which runs
-# whole on both ranks and proposes the same tokens on each)
-SPEC_LABELS = ["bf16", "fp8", "fp8-tp2"]
+# whole on both ranks and proposes the same tokens on each); "bf16-fp8w": the bf16 pool with the
+# draft's GEMMs in fp8 (--speculative-draft-model-quantization fp8)
+SPEC_LABELS = ["bf16", "fp8", "fp8-tp2", "bf16-fp8w"]
+FP8_WEIGHTS = ["--speculative-draft-model-quantization", "fp8"]
 # under SGLang's overlap scheduling (its default) but for these, which run synchronously: the
 # same greedy outputs both ways
 SYNC_LABELS = {"fp8-tp2"}
@@ -81,9 +83,11 @@ OVERLAP_LINE = re.compile(r"ATOM_DSPARK: overlap scheduling (on|off)")
 
 
 def _spec_args(label: str) -> list[str]:
-    dtype, _, tp = label.partition("-tp")
+    dtype, *parts = label.split("-")
+    tp = next((p[2:] for p in parts if p.startswith("tp")), "1")
     sync = ["--disable-overlap-schedule"] if label in SYNC_LABELS else []
-    return [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp or "1", *sync]
+    quant = FP8_WEIGHTS if "fp8w" in parts else []
+    return [*ATOM, *SPEC, *DTYPE_FLAGS[dtype], "--enable-metrics", "--tp", tp, *sync, *quant]
 
 
 def _spec_run(label: str, srv: Server) -> tuple:
@@ -123,7 +127,7 @@ def runs(servers, chain_target) -> dict[str, tuple]:
         **{label: (_spec_run, _spec_args(label), MODELS_ENV) for label in SPEC_LABELS},
         "stale": (_plain_run, [*ATOM, *SPEC], stale_env),
     }
-    # six scheduler ranks start at once on two cores: allow them twice the time
+    # seven scheduler ranks start at once on two cores: allow them twice the time
     started = servers.start_many(
         {f"dspark-{name}": (chain_target, args, env) for name, (_, args, env) in jobs.items()},
         timeout=2 * envs.SGL_ATOM_SERVER_TIMEOUT.get(),
@@ -184,10 +188,11 @@ def test_grammar_constrains_every_accepted_token(spec_run, runs, report):
     assert got == want
 
 
-@pytest.mark.parametrize("spec_run", ["fp8", "fp8-tp2"], indirect=True)
-def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, runs, report):
-    """The same 16 prompts, two runs per pool (radix cache flushed between them): the fp8
-    pool's tokens/forward differs from the bf16 pool's by no more than the noise, taken as the
+@pytest.mark.parametrize("spec_run", ["fp8", "fp8-tp2", "bf16-fp8w"], indirect=True)
+def test_fp8_tokens_per_forward_within_noise_of_bf16(spec_run, runs, report):
+    """The same 16 prompts, two runs per server (radix cache flushed between them): with the
+    fp8 pool, or the draft's GEMMs in fp8, tokens/forward differs from the bf16 draft's by no
+    more than the noise, taken as the
     larger of the spread between two runs and the spread between the two halves of the prompts
     (greedy decoding on CPU repeats itself, so the run-to-run spread alone is about 0)."""
     label = spec_run[0]
@@ -206,12 +211,12 @@ def test_fp8_pool_tokens_per_forward_within_noise_of_bf16(spec_run, runs, report
         return f"{name} runs {a:.2f} / {b:.2f}, halves {h1:.2f} / {h2:.2f}"
 
     report(
-        f"ATOM_DSPARK tokens/forward, draft pool bf16 vs {label} over the same 16 prompts: "
+        f"ATOM_DSPARK tokens/forward, draft bf16 vs {label} over the same 16 prompts: "
         f"{figures['bf16'][0]:.2f} vs {figures[label][0]:.2f}, gap {gap:.2f} ({fig('bf16')}; "
         f"{fig(label)})"
     )
     assert gap <= noise, (
-        f"{label} pool {figures[label][0]:.2f} tokens/forward vs bf16 {figures['bf16'][0]:.2f}: "
+        f"{label} draft {figures[label][0]:.2f} tokens/forward vs bf16 {figures['bf16'][0]:.2f}: "
         f"a gap of {gap:.2f} is beyond the noise {noise:.2f} (run spread {run_spread:.2f}, "
         f"halves spread {half_spread:.2f})"
     )
@@ -258,6 +263,22 @@ def test_draft_pool_dtype(spec_run, chain_target, report):
         f"ATOM_DSPARK {label} KV budget: {tokens} tokens vs {upstream} with the draft at the "
         f"target's dtype ({gained:+d}, x{tokens / upstream:.3f})"
     )
+
+
+@pytest.mark.parametrize("spec_run", ["bf16-fp8w"], indirect=True)
+def test_fp8_draft_weights_logged(spec_run, runs, report):
+    """--speculative-draft-model-quantization fp8: the draft's GEMM layers and its copy of the
+    target's LM head in fp8, said at start-up; the drafts change a little, the outputs not at
+    all (test_lossless), and a server without the flag keeps a bf16 draft."""
+    log = spec_run[3]["log"]
+    weights = re.search(r"ATOM_DSPARK draft .*?fp8 GEMM weights \(([0-9.]+) MiB\)", log)
+    head = re.search(r"draft LM head: an fp8 copy of the target's \(([0-9.]+) MiB\)", log)
+    assert weights and head, "the worker logs the draft's fp8 weights and LM head"
+    # the chain draft's fc, 2 x (q/k/v, o, gate/up, down) and a 512 x 256 head: a byte per
+    # weight and a 4-byte scale per row
+    assert float(head.group(1)) == pytest.approx((512 * 256 + 512 * 4) / 2**20, abs=0.05)
+    report(f"ATOM_DSPARK fp8 draft weights: {weights.group(1)} MiB, LM head {head.group(1)} MiB")
+    assert "fp8 GEMM weights" not in runs["bf16"][3]["log"]
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +334,11 @@ REFUSED = {  # name: (args, env, what the start-up error names)
         "does not match the draft's block size k=4",
     ),
     "no-model-package": (SPEC, FAST, "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"),
+    "draft-quant-awq": (
+        [*SPEC, "--speculative-draft-model-quantization", "awq"],
+        MODELS_ENV,
+        "--speculative-draft-model-quantization awq: the ATOM_DSPARK draft takes fp8",
+    ),
     "torch-native": (
         [*SPEC, "--attention-backend", "torch_native"],
         MODELS_ENV,

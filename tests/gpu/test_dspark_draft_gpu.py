@@ -14,10 +14,13 @@ if not torch.cuda.is_available():
 
 UNIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit")
 sys.path[:0] = [UNIT, os.path.join(UNIT, "kernels")]
-from helpers import assert_close_rel  # noqa: E402
+from helpers import assert_close_rel, poisoned  # noqa: E402
+from sgl_atom.kernels.row_quant import quant_rows_fp8, reference_quant_rows_fp8  # noqa: E402
 from test_dspark_draft_model import TOL, Case, chain_draft, placed  # noqa: E402
+from test_dspark_fp8_weights import TOL_FP8_WEIGHTS  # noqa: E402
 
 from sgl_atom.speculative.dspark import reference as ref  # noqa: E402
+from sgl_atom.speculative.dspark.fp8_weights import Fp8Rows, fp8_matmul  # noqa: E402
 from sgl_atom.speculative.dspark.markov import markov_refine  # noqa: E402
 
 
@@ -53,3 +56,40 @@ def test_draft_pass_and_context_write_on_cuda(oracle, dtype, report):
     expected = case.reference_drafts(oracle.checkpoint_weights(), oracle.dspark)
     same = sum(tokens[b].tolist() == e.tolist() for b, e in enumerate(expected))
     report(f"GPU DSpark draft, {dtype} pool: {same}/{len(expected)} blocks drafted as float64")
+
+
+def test_fp8_gemms_on_cuda(report):
+    """The per-row quantization kernel writes the reference's bytes and scales on CUDA, and the
+    fp8 GEMM (torch._scaled_mm) is the float64 product of its quantized operands, at a
+    Llama-8B draft's widths."""
+    x = torch.randn(256, 14336, device="cuda").bfloat16() * 3
+    q, s = poisoned(x.shape, torch.float8_e4m3fn, "cuda"), poisoned((256, 1), torch.float32, "cuda")
+    quant_rows_fp8(x, q, s)
+    wq, ws = reference_quant_rows_fp8(x)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    w = Fp8Rows.of(torch.randn(4096, 14336, device="cuda").bfloat16() * 0.02)
+    out = fp8_matmul(x, w, torch.bfloat16)
+    want = (q.double() * s.double()) @ w.dequantized().double().T
+    assert_close_rel(out, want, 2**-8, "fp8 GEMM")
+    report("GPU fp8 draft GEMM: row quantization bytes equal the reference; GEMM vs float64 ok")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_fp8_weight_draft_on_cuda(oracle, dtype, report):
+    """--speculative-draft-model-quantization fp8 on CUDA: the quantized draft's context write
+    and pass against the float64 reference of the weights it serves (the unit test's)."""
+    served = placed(oracle, torch.bfloat16, "cuda")
+    served.quantize_fp8()
+    weights = {k: v.double().cpu() for k, v in served.checkpoint_weights().items()}
+    case = Case(served, dtype, seed=23, device="cuda")
+    head = Fp8Rows.of(case.head.to(device="cuda", dtype=torch.bfloat16))
+    case.head = head.dequantized().double().cpu()
+    case.write_context(served)
+    args = {**case.pass_args(served), "lm_head": head}
+    base = served.base_logits(**args).cpu()
+    for b, want in enumerate(case.reference(weights, served.dspark)):
+        assert_close_rel(base[b], want, TOL_FP8_WEIGHTS[dtype], f"base logits, context {b}")
+    tokens = served.propose(**args)
+    expected = case.reference_drafts(weights, served.dspark)
+    same = sum(tokens[b].tolist() == e.tolist() for b, e in enumerate(expected))
+    report(f"GPU DSpark fp8-weight draft, {dtype} pool: {same}/{len(expected)} blocks as float64")

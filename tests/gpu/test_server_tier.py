@@ -202,13 +202,15 @@ def _feature_jobs(bootstrap_port: int) -> dict[str, tuple]:
         "m3-fp8w": (m3, [*m3_args, "--quantization", "fp8"], ENV),
         "m3-int4": (m3_int4, m3_args, {**ENV, "SGL_ATOM_M3_INDEX_DTYPE": "int4"}),
     }  # fmt: skip
-    for dtype in ("bf16", "fp8"):
+    for variant in DSPARK_VARIANTS:
+        dtype, _, weights = variant.partition("-")
         spec = [
             "--speculative-algorithm", NAME,
             "--speculative-draft-model-path", str(DSPARK_CHAIN),
             "--spec-decode-kv-cache-dtype", dtype,
+            *(["--speculative-draft-model-quantization", "fp8"] if weights else []),
         ]  # fmt: skip
-        jobs[f"dspark-{dtype}"] = (target, [*LOSSLESS_ARGS, *spec], ENV)
+        jobs[f"dspark-{variant}"] = (target, [*LOSSLESS_ARGS, *spec], ENV)
     return jobs
 
 
@@ -245,7 +247,11 @@ def chain_baseline(feature_servers) -> dict[str, list]:
     return {"short": short, "lossless": [o["output_ids"] for o in full]}
 
 
-@pytest.mark.parametrize("draft_dtype", ["bf16", "fp8"])
+# the draft KV pool's dtype; "-fp8w": the draft's GEMMs in fp8 too
+DSPARK_VARIANTS = ("bf16", "fp8", "fp8-fp8w")
+
+
+@pytest.mark.parametrize("draft_dtype", DSPARK_VARIANTS)
 def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype, report):
     srv = feature_servers[f"dspark-{draft_dtype}"]
     try:
@@ -263,6 +269,7 @@ def test_dspark_lossless_on_gpu(feature_servers, chain_baseline, draft_dtype, re
     )
     assert all(len(g) == LOSSLESS_NEW for g in got)
     assert same == len(want)
+    assert ("fp8 GEMM weights" in log) == draft_dtype.endswith("fp8w")
     assert "ATOM_DSPARK: overlap scheduling on" in log, "SGLang's default, as users run it"
     # each step's lengths stay on the device: the scheduler does not wait for every verify
     assert "overlap scheduling on, each step's lengths kept on the device" in log

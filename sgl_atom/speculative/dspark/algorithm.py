@@ -119,7 +119,10 @@ class AtomDSparkAlgo(CustomSpecAlgo):
         return spec_info
 
     def handle_server_args(self, server_args) -> None:
+        from .fp8_weights import draft_quantization
+
         check_attention_backend(server_args)
+        draft_quantization(server_args)  # a method the draft does not take: refused here
         k = _draft_block_size(server_args.speculative_draft_model_path)
         given = server_args.speculative_num_draft_tokens
         if given is not None and int(given) != k + 1:

@@ -49,7 +49,7 @@ class DraftPass:
         draft: Any,
         pool: Any,
         embed: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Any,  # [vocab, hidden], or its fp8 rows (fp8_weights.Fp8Rows)
         req_to_token: torch.Tensor,
         max_bs: int,
         window: int,

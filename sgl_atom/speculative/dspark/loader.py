@@ -18,6 +18,7 @@ import torch
 
 from ... import envs
 from ...log import get_logger
+from .fp8_weights import check_device
 
 logger = get_logger("sgl_atom.speculative")
 PACKAGE_HINT = "SGLANG_EXTERNAL_MODEL_PACKAGE=sgl_atom.models"
@@ -124,10 +125,16 @@ def arm_taps(
 
 
 def load_draft(
-    path: str | None, target: torch.nn.Module, device, pp_size: int = 1
+    path: str | None,
+    target: torch.nn.Module,
+    device,
+    pp_size: int = 1,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """The draft model on ``device`` in the target's dtype, checked against the target; on the
-    last pipeline stage under PP, the taps this stage holds are armed (the others arrive)."""
+    last pipeline stage under PP, the taps this stage holds are armed (the others arrive).
+    ``quantization`` ``"fp8"``: its GEMM layers quantized once placed
+    (:mod:`sgl_atom.speculative.dspark.fp8_weights`)."""
     from .pp_taps import stage_layers
 
     raw = read_config(path)
@@ -160,6 +167,10 @@ def load_draft(
     else:
         arm_taps(target, taps, num_layers, stage_layers(target)[0])
     model.place(device, dtype)
+    weights = str(dtype)
+    if quantization == "fp8":
+        check_device(device)
+        weights = f"fp8 GEMM weights ({model.quantize_fp8() / 2**20:.2f} MiB), {dtype} compute"
     cfg = model.dspark
     logger.info(
         "ATOM_DSPARK draft %s (%s): %d layers, k=%d, taps %s, Markov rank %d, %s",
@@ -169,6 +180,6 @@ def load_draft(
         cfg.block_size,
         list(cfg.target_layer_ids),
         cfg.markov_rank,
-        dtype,
+        weights,
     )
     return model

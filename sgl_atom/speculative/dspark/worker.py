@@ -76,6 +76,7 @@ from .accept import SpecStats
 from .algorithm import host_seq_lens
 from .draft_graphs import DraftGraphs, DraftPass, capture, capture_sizes
 from .forced_accept import FLAG, WARNING, adjusts_logits, forced_accept, forced_acceptance
+from .fp8_weights import Fp8Rows, draft_quantization
 from .loader import load_draft, relay_stage_taps
 from .pool import DraftKVPool, block_page_table, check_block_attention, write_context_kv
 from .pp_taps import assemble_taps, stage_layers, taps_on_stage
@@ -136,7 +137,8 @@ class AtomDSparkWorker(NGRAMWorker):
         if not self.holds_draft:  # an earlier PP stage: the target step and its taps only
             self.draft, self.relay = None, relay_stage_taps(path, target, pp.pp_size)
             return
-        self.draft = load_draft(path, target, self.device, pp.pp_size)
+        quantization = draft_quantization(server_args)
+        self.draft = load_draft(path, target, self.device, pp.pp_size, quantization)
         self.stage_start = stage_layers(target)[0]
         cfg = self.draft.dspark
         num_layers = int(target.config.num_hidden_layers)
@@ -151,6 +153,12 @@ class AtomDSparkWorker(NGRAMWorker):
         if not self.producer:
             vocab = int(target.config.vocab_size)
             self.embed, self.lm_head = (_whole_vocab(w, vocab) for w in target.get_embed_and_head())
+            if quantization == "fp8":  # the draft's own copy; the target keeps its head
+                self.lm_head = Fp8Rows.of(self.lm_head, "the target's LM head")
+                logger.info(
+                    "ATOM_DSPARK draft LM head: an fp8 copy of the target's (%.2f MiB)",
+                    self.lm_head.nbytes / 2**20,
+                )
         self.stats = SpecStats(cfg.block_size)
         self.total = SpecStats(cfg.block_size)
         self.propose_enabled = not self.producer
