@@ -611,7 +611,9 @@ def bench_sglang_spec(model, target, atom_plain, spec, gbps, save) -> list[Row]:
             _print(row, f"{name} plain")
         rows += plain
         save(rows)
-    for (k, n), draft_kv, ov in itertools.product(blocks, draft_kvs, overlaps):
+    # SGLang's worker gets the pool dtypes; the +w8 variants are ATOM_DSPARK's fp8 draft GEMMs
+    pools = dict.fromkeys(dspark.draft_variant(kv)[0] for kv in draft_kvs)
+    for (k, n), draft_kv, ov in itertools.product(blocks, pools, overlaps):
         label = f"{model}_sglang-dspark-{target}-k{k}-n{n}-{draft_kv}"
         label += dspark.OVERLAP_SUFFIX.get(ov, "")
         flags = dspark.sglang_spec_server_args(
@@ -965,7 +967,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--spec-blocks", default=dspark.DEFAULT_BLOCKS, help="k:N,... (block k, N forced)"
     )
-    ap.add_argument("--draft-kv", default=dspark.DEFAULT_DRAFT_KV, help="draft KV pool dtypes")
+    ap.add_argument(
+        "--draft-kv",
+        default=dspark.DEFAULT_DRAFT_KV,
+        help=f"draft KV pool dtypes; KV+{dspark.W8} (e.g. fp8+{dspark.W8}): also the draft's "
+        "GEMMs in fp8 (--speculative-draft-model-quantization fp8)",
+    )
     ap.add_argument(
         "--serial-plain",
         action="store_true",

@@ -125,14 +125,29 @@ def write_drafts(model: str, shape: dict, blocks: list[int], root: Path, max_pos
     return paths
 
 
+def draft_variant(draft_kv: str) -> tuple[str, list[str]]:
+    """A ``--draft-kv`` entry -> (the pool dtype, the draft's weight flags): ``KV`` or
+    ``KV+w8``, the latter with the draft's GEMMs in fp8 (``--speculative-draft-model-quantization
+    fp8``)."""
+    kv, _, weights = draft_kv.partition("+")
+    if weights not in ("", W8):
+        raise ValueError(f"--draft-kv {draft_kv}: a pool dtype, optionally +{W8}")
+    return kv, (["--speculative-draft-model-quantization", "fp8"] if weights else [])
+
+
+W8 = "w8"  # a --draft-kv suffix: the ATOM_DSPARK draft's GEMMs in fp8
+
+
 def spec_server_args(
     draft: Path, draft_kv: str, forced: int | None, overlap: str = "on"
 ) -> list[str]:
     """ATOM_DSPARK with ``draft``, its KV pool at ``draft_kv`` (bf16 / fp8, given to SGLang's
-    own flag in its spelling: bf16 / fp8_e4m3), ``forced`` drafts committed per verify (None:
-    the drafts the target accepts), under overlap scheduling or not (``OVERLAP_FLAGS``)."""
+    own flag in its spelling: bf16 / fp8_e4m3; a ``+w8`` suffix: the draft's GEMMs in fp8),
+    ``forced`` drafts committed per verify (None: the drafts the target accepts), under overlap
+    scheduling or not (``OVERLAP_FLAGS``)."""
     from sgl_atom.speculative.draft_kv_dtype import to_sglang_dtype
 
+    draft_kv, weights = draft_variant(draft_kv)
     args = [
         "--speculative-algorithm",
         "ATOM_DSPARK",
@@ -141,6 +156,7 @@ def spec_server_args(
         "--speculative-draft-kv-cache-dtype",
         to_sglang_dtype(draft_kv),
         *OVERLAP_FLAGS[overlap],
+        *weights,
     ]
     return args if forced is None else [*args, "--atom-dspark-forced-accept", str(forced)]
 

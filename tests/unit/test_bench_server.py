@@ -457,6 +457,14 @@ def test_dspark_rows_with_and_without_overlap_are_kept_apart(tmp_path):
     assert dspark.OVERLAP_ENV["host-lens"] == {"SGL_ATOM_DSPARK_HOST_SEQ_LENS": "1"}
     parsed = bench_server.parse_args(["--spec", "--spec-overlap", "on,host-lens"])
     assert parsed.spec_overlap == "on,host-lens"
+    # a +w8 pool: the draft's GEMMs in fp8, its own rows (the pool dtype as SGLang spells it)
+    w8 = dspark.spec_server_args(tmp_path, "fp8+w8", 3)
+    assert w8[w8.index("--speculative-draft-kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert w8[w8.index("--speculative-draft-model-quantization") + 1] == "fp8"
+    assert "--speculative-draft-model-quantization" not in args
+    assert bench_server.row_key(dict(forced, draft_kv="fp8+w8")) != bench_server.row_key(forced)
+    with pytest.raises(ValueError, match=r"--draft-kv fp8\+w4: a pool dtype, optionally \+w8"):
+        dspark.spec_server_args(tmp_path, "fp8+w4", 3)
 
 
 def test_spec_log_rate_is_time_weighted():
