@@ -247,9 +247,7 @@ class AtomDSparkDraftModel(nn.Module):
         layers = self.linear_layers()
         rows = {name: Fp8Rows.of(mod.weight.data, name) for name, mod in layers.items()}
         for name, mod in layers.items():
-            mod.weight = nn.Parameter(rows[name].q, requires_grad=False)
-            mod.weight_scale = nn.Parameter(rows[name].scale, requires_grad=False)
-            mod.quant_method = DraftFp8LinearMethod()
+            DraftFp8LinearMethod.install(mod, rows[name])
         self.weight_quantization = "fp8"
         return sum(r.nbytes for r in rows.values())
 

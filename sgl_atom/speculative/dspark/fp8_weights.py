@@ -24,7 +24,6 @@ import torch
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
 from ... import envs
-from ...kernels.common import FP8_DTYPE
 from ...kernels.row_quant import quant_rows_fp8, reference_quant_rows_fp8
 
 FLAG = "--speculative-draft-model-quantization"
@@ -120,14 +119,15 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Rows, out_dtype: torch.dtype) -> torch.Ten
 
 
 class DraftFp8LinearMethod(LinearMethodBase):
-    """An SGLang linear method over a layer loaded unquantized: its weight becomes e4m3fn rows
-    with ``weight_scale`` [rows] (``process_weights_after_loading``), and ``apply`` runs
-    :func:`fp8_matmul`."""
+    """An SGLang linear method for a layer whose weight :meth:`install` turned into e4m3fn rows
+    with ``weight_scale`` [rows]: ``apply`` runs :func:`fp8_matmul`."""
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        rows = Fp8Rows.of(layer.weight.data, type(layer).__name__)
+    @staticmethod
+    def install(layer: torch.nn.Module, rows: Fp8Rows) -> None:
+        """Put ``rows`` (the layer's own weight, quantized) in place of its weight."""
         layer.weight = torch.nn.Parameter(rows.q, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(rows.scale, requires_grad=False)
+        layer.quant_method = DraftFp8LinearMethod()
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -143,14 +143,3 @@ def weight_rows(layer: torch.nn.Module) -> Fp8Rows:
 
 def is_quantized(layer: torch.nn.Module) -> bool:
     return isinstance(getattr(layer, "quant_method", None), DraftFp8LinearMethod)
-
-
-def quantize_layer(layer: torch.nn.Module) -> None:
-    """Turn a loaded SGLang linear layer's bf16 weight into fp8 rows, in place."""
-    method = DraftFp8LinearMethod()
-    method.process_weights_after_loading(layer)
-    layer.quant_method = method
-
-
-def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype == FP8_DTYPE
