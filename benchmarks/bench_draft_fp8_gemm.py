@@ -1,0 +1,73 @@
+"""The DSpark draft's GEMMs at a Llama-3-8B draft's shapes, bf16 (``F.linear``) against fp8
+(``fp8_weights.fp8_matmul``: per-row activation quantization, then ``torch._scaled_mm``), at 4,
+64 and 256 rows (a block of k = 4 rows for batch 1, 16 and 64). ``--mode graph`` (default)
+times each call replayed from a CUDA graph, as the draft runs in a server; ``--mode eager``
+times it launched from Python, host overhead included.
+
+    python benchmarks/bench_draft_fp8_gemm.py [--mode graph|eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from sgl_atom.speculative.dspark.fp8_weights import Fp8Rows, fp8_matmul, quant_rows
+
+SHAPES = {"lm_head": (128256, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "qkv": (6144, 4096)}  # fmt: skip
+ROWS = (4, 64, 256)
+
+
+def eager(f, n: int = 30) -> float:
+    for _ in range(5):
+        f()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(n):
+        f()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n * 1000
+
+
+def graph(f, n: int = 20) -> float:
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        f()
+    for _ in range(3):
+        g.replay()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(n):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("graph", "eager"), default="graph")
+    timed = graph if ap.parse_args().mode == "graph" else eager
+    print(torch.cuda.get_device_name(0), flush=True)
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w8 = Fp8Rows.of(w)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            f = timed(lambda x=x, w8=w8: fp8_matmul(x, w8, torch.bfloat16))
+            q = timed(lambda x=x: quant_rows(x))
+            print(f"{name} M={m}: bf16 {b:.1f} us, fp8 {f:.1f} us (quant {q:.1f}), x{f / b:.2f}",
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
