@@ -8,7 +8,8 @@ from ..common import FP8_MAX, FP8_SCALE_MIN, is_fp8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, kv_heads, head_dim] → (e4m3fn values, fp32 scales [tokens, kv_heads])."""
+    """x [tokens, kv_heads, head_dim] → (e4m3fn values, fp32 scales [tokens, kv_heads]): one
+    scale per row of the last dimension, for any leading shape."""
     x32 = x.float()
     amax = x32.abs().amax(dim=-1)
     # tensor / tensor is IEEE division on every device (CUDA turns `/ scalar` into `* (1/scalar)`)

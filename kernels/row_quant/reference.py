@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ..common import FP8_DTYPE, FP8_MAX, FP8_SCALE_MIN
+from ..kv_quant.reference import quantize_rows
 
 
 def reference_quant_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] -> (e4m3fn values [rows, cols], fp32 scales [rows, 1]), value * scale
-    approximating x: scale = max(amax / 448, FP8_SCALE_MIN), values rounded to nearest even."""
-    x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True)
-    # tensor / tensor is IEEE division on every device (CUDA turns `/ scalar` into `* (1/scalar)`)
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(FP8_SCALE_MIN)
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    approximating x: the KV store's per-row rule (scale = max(amax / 448, FP8_SCALE_MIN),
+    values rounded to nearest even), one row per activation row."""
+    q, scale = quantize_rows(x)
+    return q, scale[:, None]
