@@ -192,9 +192,9 @@ def test_grammar_constrains_every_accepted_token(spec_run, runs, report):
 def test_fp8_tokens_per_forward_within_noise_of_bf16(spec_run, runs, report):
     """The same 16 prompts, two runs per server (radix cache flushed between them): with the
     fp8 pool, or the draft's GEMMs in fp8, tokens/forward differs from the bf16 draft's by no
-    more than the noise, taken as the
-    larger of the spread between two runs and the spread between the two halves of the prompts
-    (greedy decoding on CPU repeats itself, so the run-to-run spread alone is about 0)."""
+    more than the noise, taken as the larger of the spread between two runs and the spread
+    between the two halves of the prompts (greedy decoding on CPU repeats itself, so the
+    run-to-run spread alone is about 0)."""
     label = spec_run[0]
     figures = {}
     for name in ("bf16", label):

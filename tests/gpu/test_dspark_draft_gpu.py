@@ -17,7 +17,7 @@ sys.path[:0] = [UNIT, os.path.join(UNIT, "kernels")]
 from helpers import assert_close_rel, poisoned  # noqa: E402
 from sgl_atom.kernels.row_quant import quant_rows_fp8, reference_quant_rows_fp8  # noqa: E402
 from test_dspark_draft_model import TOL, Case, chain_draft, placed  # noqa: E402
-from test_dspark_fp8_weights import TOL_FP8_WEIGHTS  # noqa: E402
+from test_dspark_fp8_weights import TOL_FP8_WEIGHTS, fp8_oracle, fp8_pass  # noqa: E402
 
 from sgl_atom.speculative.dspark import reference as ref  # noqa: E402
 from sgl_atom.speculative.dspark.fp8_weights import Fp8Rows, fp8_matmul  # noqa: E402
@@ -80,15 +80,10 @@ def test_fp8_weight_draft_on_cuda(oracle, dtype, report):
     and pass against the float64 reference of the weights it serves (the unit test's)."""
     served = placed(oracle, torch.bfloat16, "cuda")
     served.quantize_fp8()
-    weights = {k: v.double().cpu() for k, v in served.checkpoint_weights().items()}
-    case = Case(served, dtype, seed=23, device="cuda")
-    head = Fp8Rows.of(case.head.to(device="cuda", dtype=torch.bfloat16))
-    case.head = head.dequantized().double().cpu()
-    case.write_context(served)
-    args = {**case.pass_args(served), "lm_head": head}
-    base = served.base_logits(**args).cpu()
+    weights = fp8_oracle(served)
+    case, args, base = fp8_pass(served, dtype, seed=23, device="cuda")
     for b, want in enumerate(case.reference(weights, served.dspark)):
-        assert_close_rel(base[b], want, TOL_FP8_WEIGHTS[dtype], f"base logits, context {b}")
+        assert_close_rel(base[b].cpu(), want, TOL_FP8_WEIGHTS[dtype], f"base logits, context {b}")
     tokens = served.propose(**args)
     expected = case.reference_drafts(weights, served.dspark)
     same = sum(tokens[b].tolist() == e.tolist() for b, e in enumerate(expected))

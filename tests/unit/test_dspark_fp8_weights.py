@@ -98,6 +98,23 @@ def test_quantize_checks_every_layer_before_changing_any(model):
     assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
 
 
+def fp8_oracle(m) -> dict[str, torch.Tensor]:
+    """The float64 reference's weights for a quantized draft: the dequantized rows it serves."""
+    return {k: v.double().cpu() for k, v in m.checkpoint_weights().items()}
+
+
+def fp8_pass(m, dtype: str, seed: int, device: str = "cpu") -> tuple:
+    """A fresh Case for the quantized draft ``m`` (its pool at ``dtype``), its context written
+    and one pass drafted with the case's LM head as fp8 rows; the case's ``head`` becomes those
+    rows dequantized, what the oracle multiplies by. Returns (case, pass args, base logits)."""
+    case = Case(m, dtype, seed=seed, device=device)
+    head = Fp8Rows.of(case.head.to(device=device, dtype=torch.bfloat16))
+    case.head = head.dequantized().double().cpu()
+    case.write_context(m)
+    args = {**case.pass_args(m), "lm_head": head}
+    return case, args, m.base_logits(**args)
+
+
 @pytest.mark.parametrize("kernels", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_fp8_draft_matches_the_float64_reference_of_its_weights(model, dtype, kernels, monkeypatch):
@@ -112,14 +129,8 @@ def test_fp8_draft_matches_the_float64_reference_of_its_weights(model, dtype, ke
     for name, mod in m.linear_layers().items():
         assert isinstance(mod.quant_method, DraftFp8LinearMethod), name
         assert mod.weight.dtype == torch.float8_e4m3fn, name
-    served_w = {k: v.double() for k, v in m.checkpoint_weights().items()}
-    case = Case(m, dtype, seed=31)
-    head = Fp8Rows.of(case.head.to(torch.bfloat16))
-    case.head = head.dequantized().double()  # the oracle's head: the rows the draft multiplies
-    case.write_context(m)
-    args = {**case.pass_args(m), "lm_head": head}
-    base = m.base_logits(**args)
-    want = case.reference(served_w, m.dspark)
+    case, args, base = fp8_pass(m, dtype, seed=31)
+    want = case.reference(fp8_oracle(m), m.dspark)
     for b, n in enumerate(case.LENS):
         assert_close_rel(base[b], want[b], TOL_FP8_WEIGHTS[dtype], f"base logits, context {n}")
     # the Markov refinement drafts from those logits as from bf16 ones
