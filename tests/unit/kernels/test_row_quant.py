@@ -6,11 +6,13 @@ import torch
 from helpers import device, poisoned
 from sgl_atom.kernels.common import FP8_MAX
 from sgl_atom.kernels.row_quant import quant_rows_fp8, reference_quant_rows_fp8
+from sgl_atom.kernels.row_quant.quant import MAX_ROW
 
 DEV = device()
 FP8 = torch.float8_e4m3fn
-# rows x cols: a decode row, a block of rows, a width past one chunk (two chunks, a ragged tail)
-CASES = [(1, 64), (37, 256), (5, 4096 + 96)]
+# rows x cols: a decode row, a block of rows, a draft layer's widest row (one pass, not a power
+# of two), a row wider than one pass takes (chunks of MAX_BLOCK, a ragged tail)
+CASES = [(1, 64), (37, 256), (4, 14336), (3, MAX_ROW + 96)]
 
 
 def _x(rows, cols, seed, dtype):
