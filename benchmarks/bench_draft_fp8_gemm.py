@@ -2,7 +2,9 @@
 (``fp8_weights.fp8_matmul``: per-row activation quantization, then ``torch._scaled_mm``), at 4,
 64 and 256 rows (a block of k = 4 rows for batch 1, 16 and 64). ``--mode graph`` (default)
 times each call replayed from a CUDA graph, as the draft runs in a server; ``--mode eager``
-times it launched from Python, host overhead included.
+times it launched from Python, host overhead included. For the down projection (the long K),
+fp8 is also timed with K split in 2 and 4 (one ``_scaled_mm`` per part, summed in float32): at a
+few rows its 32 output tiles leave most of the SMs idle.
 
     python benchmarks/bench_draft_fp8_gemm.py [--mode graph|eager]
 """
@@ -65,8 +67,27 @@ def main() -> None:
             b = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w))
             f = timed(lambda x=x, w8=w8: fp8_matmul(x, w8, torch.bfloat16))
             q = timed(lambda x=x: quant_rows(x))
-            print(f"{name} M={m}: bf16 {b:.1f} us, fp8 {f:.1f} us (quant {q:.1f}), x{f / b:.2f}",
-                  flush=True)  # fmt: skip
+            split = ""
+            if k > 8192:
+                for parts in (2, 4):
+                    t = timed(lambda x=x, w8=w8, p=parts: split_k(x, w8, p))
+                    split += f", split-K {parts} {t:.1f} us x{t / b:.2f}"
+            print(f"{name} M={m}: bf16 {b:.1f} us, fp8 {f:.1f} us (quant {q:.1f}), x{f / b:.2f}"
+                  f"{split}", flush=True)  # fmt: skip
+
+
+def split_k(x: torch.Tensor, w: Fp8Rows, parts: int) -> torch.Tensor:
+    """fp8_matmul with K in ``parts`` slices: the row scales apply to every slice alike, so the
+    scaled partial products sum to the whole."""
+    xq, xs = quant_rows(x)
+    step = xq.shape[1] // parts
+    acc = None
+    for i in range(parts):
+        ks = slice(i * step, (i + 1) * step)
+        part = torch._scaled_mm(xq[:, ks], w.q[:, ks].t(), scale_a=xs,
+                                scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16)  # fmt: skip
+        acc = part.float() if acc is None else acc.add_(part)
+    return acc.to(torch.bfloat16)
 
 
 if __name__ == "__main__":
