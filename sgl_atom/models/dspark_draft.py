@@ -239,13 +239,15 @@ class AtomDSparkDraftModel(nn.Module):
         return out
 
     def quantize_fp8(self) -> int:
-        """Quantize the placed draft's GEMM layers to fp8 rows in place (each an SGLang layer
-        with :class:`DraftFp8LinearMethod`); every layer is checked before any is changed.
-        Returns the bytes their weights now take."""
+        """Quantize the placed draft's GEMM layers and the Markov head's w2 to fp8 rows in
+        place (each an SGLang layer with :class:`DraftFp8LinearMethod`); every layer is checked
+        before any is changed. Returns the bytes their weights now take."""
         if self.weight_quantization is not None:
             return 0
         layers = self.linear_layers()
         rows = {name: Fp8Rows.of(mod.weight.data, name) for name, mod in layers.items()}
+        w2 = layers["markov_head.markov_w2"] = self.markov_head.markov_w2
+        rows["markov_head.markov_w2"] = Fp8Rows.quantize(w2.weight.data)  # no GEMM reads it
         for name, mod in layers.items():
             DraftFp8LinearMethod.install(mod, rows[name])
         self.weight_quantization = "fp8"
@@ -436,8 +438,11 @@ class AtomDSparkDraftModel(nn.Module):
         """Draft tokens [batch, k] int64: :meth:`base_logits` (same arguments) refined by the
         Markov head, batched on the device."""
         base = self.base_logits(anchors=anchors, **pass_args)
-        head = self.markov_head
-        return markov_refine(base, anchors, head.markov_w1.weight, head.markov_w2.weight)
+        w1, w2 = self.markov_head.markov_w1.weight, self.markov_head.markov_w2
+        if is_quantized(w2):
+            rows = weight_rows(w2)
+            return markov_refine(base, anchors, w1, rows.q, w2_scale=rows.scale)
+        return markov_refine(base, anchors, w1, w2.weight)
 
 
 @dataclass(frozen=True)

@@ -267,11 +267,11 @@ def test_draft_pool_dtype(spec_run, chain_target, report):
 
 @pytest.mark.parametrize("spec_run", ["bf16-fp8w"], indirect=True)
 def test_fp8_draft_weights_logged(spec_run, runs, report):
-    """--speculative-draft-model-quantization fp8: the draft's GEMM layers and its copy of the
-    target's LM head in fp8, said at start-up; the drafts change a little, the outputs not at
-    all (test_lossless), and a server without the flag keeps a bf16 draft."""
+    """--speculative-draft-model-quantization fp8: the draft's GEMM layers, its Markov head's w2
+    and its copy of the target's LM head in fp8, said at start-up; the drafts change a little,
+    the outputs not at all (test_lossless), and a server without the flag keeps a bf16 draft."""
     log = spec_run[3]["log"]
-    weights = re.search(r"ATOM_DSPARK draft .*?fp8 GEMM weights \(([0-9.]+) MiB\)", log)
+    weights = re.search(r"ATOM_DSPARK draft .*?fp8 GEMM weights \(([0-9.]+) MiB with", log)
     head = re.search(r"draft LM head: an fp8 copy of the target's \(([0-9.]+) MiB\)", log)
     assert weights and head, "the worker logs the draft's fp8 weights and LM head"
     # the chain draft's fc, 2 x (q/k/v, o, gate/up, down) and a 512 x 256 head: a byte per

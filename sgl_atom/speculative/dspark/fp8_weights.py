@@ -8,7 +8,9 @@ draft's linear layers and its own copy of the target's LM head are quantized onc
 e4m3fn weights with one fp32 scale per output row, activations quantized per row (token) as
 they enter each GEMM (:func:`sgl_atom.kernels.row_quant.quant_rows_fp8`), products in
 ``torch._scaled_mm`` with those row and column scales, bf16 out. The layers stay SGLang's: the
-quantized ones carry :class:`DraftFp8LinearMethod`, an SGLang ``LinearMethodBase``.
+quantized ones carry :class:`DraftFp8LinearMethod`, an SGLang ``LinearMethodBase``. The Markov
+head's w2 ([vocab, rank], read whole at each of the k positions of its walk) becomes e4m3fn
+rows too, read by its fused Triton step (``kernels/draft_markov``).
 
 What the draft proposes changes a little (its logits carry fp8 rounding); what the server
 outputs does not: the target verifies every draft token. The target's own LM head stays as it
@@ -78,6 +80,12 @@ class Fp8Rows:
                 f"{FLAG} fp8: {what} is [{rows}, {cols}]; fp8 GEMMs need both dimensions to be "
                 f"multiples of {ALIGN}; serve this draft unquantized"
             )
+        return cls.quantize(w)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Fp8Rows:
+        """w's rows quantized, whatever its dimensions: for a weight that a Triton kernel
+        reads rather than an fp8 GEMM (the Markov head's w2)."""
         q, scale = reference_quant_rows_fp8(w)
         return cls(q, scale.view(-1))
 

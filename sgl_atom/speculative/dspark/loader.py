@@ -170,7 +170,10 @@ def load_draft(
     weights = str(dtype)
     if quantization == "fp8":
         check_device(device)
-        weights = f"fp8 GEMM weights ({model.quantize_fp8() / 2**20:.2f} MiB), {dtype} compute"
+        weights = (
+            f"fp8 GEMM weights ({model.quantize_fp8() / 2**20:.2f} MiB with the Markov head's "
+            f"w2), {dtype} compute"
+        )
     cfg = model.dspark
     logger.info(
         "ATOM_DSPARK draft %s (%s): %d layers, k=%d, taps %s, Markov rank %d, %s",

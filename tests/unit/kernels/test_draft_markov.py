@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import device, poisoned
 from sgl_atom.kernels.draft_markov import markov_argmax, reference_markov_argmax
+from sgl_atom.kernels.row_quant import reference_quant_rows_fp8
 
 DEV = device()
 
@@ -36,6 +37,28 @@ def test_markov_argmax_matches_float64(batch, vocab, rank, dtype):
     _check_against_float64(tokens[:, j], logits64, 1e-4)
     poison = torch.iinfo(torch.int64).max
     assert torch.all(tokens[:, [0, 2]] == poison), "only column j may be written"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch,vocab,rank", [(1, 1000, 48), (17, 1031, 96)])
+def test_markov_argmax_fp8_w2_matches_float64(batch, vocab, rank, dtype):
+    """w2 as e4m3fn rows with a scale per vocabulary row (a draft served with fp8 weights): the
+    pick is the float64 argmax over the dequantized w2, and the scales matter (row scales spread
+    over 2^-6..2^6, so the unscaled rows would pick other tokens)."""
+    g = torch.Generator().manual_seed(batch * 977 + vocab + rank)
+    base = (torch.randn(batch, vocab, generator=g) * 0.1).to(dtype).to(DEV)
+    w1 = (torch.randn(vocab, rank, generator=g) * 0.2).to(dtype)
+    w2 = torch.randn(vocab, rank, generator=g) * torch.logspace(-6, 6, vocab, base=2)[:, None]
+    w2 = w2[torch.randperm(vocab, generator=g)].to(dtype)
+    q, scale = reference_quant_rows_fp8(w2)
+    scale = scale.view(-1)
+    prev = torch.randint(0, vocab, (batch,), generator=g).to(DEV)
+    out = poisoned((batch,), torch.int64, DEV)
+    markov_argmax(base, prev, w1.to(DEV), q.to(DEV), out, scale.to(DEV))
+    want, logits64 = reference_markov_argmax(base.cpu(), prev.cpu(), w1, q, scale)
+    _check_against_float64(out, logits64, 1e-4 * logits64.abs().amax().item())
+    _, unscaled = reference_markov_argmax(base.cpu(), prev.cpu(), w1, q)
+    assert not torch.equal(unscaled.argmax(-1), want)
 
 
 def test_markov_argmax_ties_go_to_the_lowest_id():
