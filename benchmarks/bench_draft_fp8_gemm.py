@@ -4,7 +4,8 @@
 times each call replayed from a CUDA graph, as the draft runs in a server; ``--mode eager``
 times it launched from Python, host overhead included. For the down projection (the long K),
 fp8 is also timed with K split in 2 and 4 (one ``_scaled_mm`` per part, summed in float32): at a
-few rows its 32 output tiles leave most of the SMs idle.
+few rows its 32 output tiles leave most of the SMs idle. The activations' row quantization
+is timed alone, and on its two-pass path beside.
 
     python benchmarks/bench_draft_fp8_gemm.py [--mode graph|eager]
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from sgl_atom.kernels.row_quant import quant as row_quant
+from sgl_atom.kernels.row_quant import quant_rows_fp8
 
 from sgl_atom.speculative.dspark.fp8_weights import Fp8Rows, fp8_matmul, quant_rows
 
@@ -67,13 +70,24 @@ def main() -> None:
             b = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w))
             f = timed(lambda x=x, w8=w8: fp8_matmul(x, w8, torch.bfloat16))
             q = timed(lambda x=x: quant_rows(x))
+            q2 = two_pass(timed, x)
             split = ""
             if k > 8192:
                 for parts in (2, 4):
                     t = timed(lambda x=x, w8=w8, p=parts: split_k(x, w8, p))
                     split += f", split-K {parts} {t:.1f} us x{t / b:.2f}"
-            print(f"{name} M={m}: bf16 {b:.1f} us, fp8 {f:.1f} us (quant {q:.1f}), x{f / b:.2f}"
-                  f"{split}", flush=True)  # fmt: skip
+            print(f"{name} M={m}: bf16 {b:.1f} us, fp8 {f:.1f} us (quant {q:.1f}, two-pass "
+                  f"{q2:.1f}), x{f / b:.2f}{split}", flush=True)  # fmt: skip
+
+
+def two_pass(timed, x: torch.Tensor) -> float:
+    """The row quantization forced onto its chunked two-pass path (every row read twice in
+    MAX_BLOCK chunks), beside the one-pass rows it takes up to MAX_ROW columns."""
+    keep, row_quant.MAX_ROW = row_quant.MAX_ROW, 0
+    try:
+        return timed(lambda: quant_rows_fp8(x))
+    finally:
+        row_quant.MAX_ROW = keep
 
 
 def split_k(x: torch.Tensor, w: Fp8Rows, parts: int) -> torch.Tensor:
