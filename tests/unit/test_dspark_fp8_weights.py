@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from sgl_atom.kernels.draft_markov import reference_markov_argmax
+
 from sgl_atom.speculative.dspark.fp8_weights import (
     DraftFp8LinearMethod,
     Fp8Rows,
