@@ -9,9 +9,11 @@ from sgl_atom.kernels.row_quant import reference_quant_rows_fp8
 DEV = device()
 
 
-def _check_against_float64(got: torch.Tensor, logits64: torch.Tensor, gap: float) -> None:
-    """Every row's pick is a float64 maximum to float32 rounding, and exactly float64's argmax
-    wherever its top-2 gap is clear of that rounding."""
+def check_against_float64(
+    got: torch.Tensor, logits64: torch.Tensor, gap: float | torch.Tensor
+) -> None:
+    """Every row's pick is a float64 maximum to float32 rounding (``gap``: a float, or one per
+    row), and exactly float64's argmax wherever its top-2 gap is clear of that rounding."""
     got = got.cpu()
     logits64 = logits64.cpu()
     picked = logits64.gather(1, got[:, None]).squeeze(1)
@@ -34,7 +36,7 @@ def test_markov_argmax_matches_float64(batch, vocab, rank, dtype):
     out = markov_argmax(block[:, j], prev, w1, w2, tokens[:, j])
     assert out.data_ptr() == tokens[:, j].data_ptr()
     want, logits64 = reference_markov_argmax(block[:, j].cpu(), prev.cpu(), w1.cpu(), w2.cpu())
-    _check_against_float64(tokens[:, j], logits64, 1e-4)
+    check_against_float64(tokens[:, j], logits64, 1e-4)
     poison = torch.iinfo(torch.int64).max
     assert torch.all(tokens[:, [0, 2]] == poison), "only column j may be written"
 
@@ -56,7 +58,7 @@ def test_markov_argmax_fp8_w2_matches_float64(batch, vocab, rank, dtype):
     out = poisoned((batch,), torch.int64, DEV)
     markov_argmax(base, prev, w1.to(DEV), q.to(DEV), out, scale.to(DEV))
     want, logits64 = reference_markov_argmax(base.cpu(), prev.cpu(), w1, q, scale)
-    _check_against_float64(out, logits64, 1e-4 * logits64.abs().amax().item())
+    check_against_float64(out, logits64, 1e-4 * logits64.abs().amax().item())
     _, unscaled = reference_markov_argmax(base.cpu(), prev.cpu(), w1, q)
     assert not torch.equal(unscaled.argmax(-1), want)
 
