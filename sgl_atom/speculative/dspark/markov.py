@@ -31,8 +31,8 @@ def markov_step_logits(
     """One position's refined logits.
 
     base_logits: [batch, vocab] any float dtype; prev_tokens: [batch] int;
-    w1, w2: [vocab, rank]; w2_scale: [vocab] float32 when w2 is e4m3fn rows.
-    Returns float32 [batch, vocab].
+    w1, w2: [vocab, rank]; w2_scale: [vocab] float32 when w2 is e4m3fn rows (or those rows
+    widened to float32). Returns float32 [batch, vocab].
     """
     rows = w1[prev_tokens.long()]
     if w2_scale is not None:  # e4m3 values are exact in float32; the row scales after the sum
@@ -112,6 +112,8 @@ def markov_refine(
         if return_logits
         else None
     )
+    if w2_scale is not None:  # e4m3 rows widened once for the walk, not at every position
+        w2 = w2.float()
     prev = anchor.long()
     for j in range(k):
         step = markov_step_logits(base_logits[:, j], prev, w1, w2, w2_scale)
