@@ -1,0 +1,117 @@
+"""The target model's GEMMs at a DSpark verify's row counts (Llama-3-8B shapes): cuBLAS through
+``F.linear`` (what SGLang's bf16 linear layers call) at 64 rows (a plain decode of 64 requests),
+256, 320 (64 requests x k + 1 = 5 verify rows) and 384, beside a Triton GEMM over a few tilings
+at the same rows. Each call replayed from a CUDA graph, over enough copies of the weight that
+none is still in L2 when it is read again; TFLOP/s counts the useful products only
+(2 M N K), so the tile rows a kernel computes past M show as a lower rate. A probe: it prints
+figures, it changes nothing the server runs.
+
+    python benchmarks/probe_verify_gemm.py [--rows 64,256,320,384]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from common import device_name, format_table, matmul_rate, time_ms
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
+# (block_m, block_n, block_k, num_warps, num_stages)
+TILINGS = ((64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 4),
+           (128, 256, 64, 8, 3), (64, 128, 128, 4, 3))  # fmt: skip
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # y[M, N] = x[M, K] @ w[N, K]^T; the M tiles of one N tile run next to each other so the
+    # weight tile is read from HBM once and from L2 by the others
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m, pid // num_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x = x_ptr + rm[:, None] * K + rk[None, :]
+    w = w_ptr + rn[:, None] * K + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        a = tl.load(x, mask=rm[:, None] < M, other=0.0)
+        b = tl.load(w, mask=rn[:, None] < N, other=0.0)
+        acc = tl.dot(a, b.T, acc)
+        x += BLOCK_K
+        w += BLOCK_K
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> None:
+    bm, bn, bk, warps, stages = tiling
+    m, k = x.shape
+    n = w.shape[0]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _linear_kernel[grid](x, w, y, m, n, k, bm, bn, bk, num_warps=warps, num_stages=stages)
+
+
+def per_weight_ms(call, ws: list[torch.Tensor]) -> float:
+    """ms per call of ``call(w)``, timed over one call per weight copy in turn."""
+    return time_ms(lambda: [call(v) for v in ws]) / len(ws)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="64,256,320,384")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    peak = matmul_rate()
+    print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
+    table = []
+    for name, (n, k) in SHAPES.items():
+        # enough weight copies that one replay reads ~256 MB: none stays in L2 for the next call
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+              for _ in range(max(1, (256 << 20) // (2 * n * k)))]  # fmt: skip
+        w = ws[0]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, w)
+            flop = 2 * m * n * k
+            row = [name, m, n, k]
+            ms = per_weight_ms(lambda v, x=x: F.linear(x, v), ws)
+            row += [f"{ms * 1e3:.1f}", f"{flop / ms / 1e9:.0f}"]
+            best = None
+            for t in TILINGS:
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                try:
+                    triton_linear(x, w, y, t)
+                    err = (y.float() - ref.float()).abs().max().item()
+                    if not err < 0.05:
+                        print(f"  {name} m={m} tiling {t}: max error {err}, skipped")
+                        continue
+                    t_ms = per_weight_ms(lambda v, x=x, y=y, t=t: triton_linear(x, v, y, t), ws)
+                except Exception as e:  # a tiling this card cannot compile (shared memory)
+                    print(f"  {name} m={m} tiling {t}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if best is None or t_ms < best[0]:
+                    best = (t_ms, t)
+            if best:
+                row += [f"{best[0] * 1e3:.1f}", f"{flop / best[0] / 1e9:.0f}", str(best[1]),
+                        f"{ms / best[0]:.2f}"]  # fmt: skip
+            else:
+                row += ["-"] * 4
+            table.append(row)
+            print(" | ".join(str(c) for c in row), flush=True)
+    print()
+    print(format_table(["gemm", "rows", "N", "K", "cuBLAS us", "cuBLAS TFLOP/s", "Triton us",
+                        "Triton TFLOP/s", "Triton tiling (bm,bn,bk,warps,stages)",
+                        "cuBLAS/Triton"], table))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
