@@ -1,12 +1,14 @@
 """The target model's GEMMs at a DSpark verify's row counts (Llama-3-8B shapes): cuBLAS through
 ``F.linear`` (what SGLang's bf16 linear layers call) at 64 rows (a plain decode of 64 requests),
 256, 320 (64 requests x k + 1 = 5 verify rows) and 384, beside a Triton GEMM over a few tilings
-at the same rows. Each call replayed from a CUDA graph, over enough copies of the weight that
-none is still in L2 when it is read again; TFLOP/s counts the useful products only
-(2 M N K), so the tile rows a kernel computes past M show as a lower rate. A probe: it prints
-figures, it changes nothing the server runs.
+at the same rows, and cuBLAS again under other settings torch offers (``--blas``: cuBLASLt as the
+backend, bf16 reduced-precision reductions off). Each call replayed from a CUDA graph, over
+enough copies of the weight that none is still in L2 when it is read again; TFLOP/s counts the
+useful products only (2 M N K), so the tile rows a kernel computes past M show as a lower rate.
+A probe: it prints figures, it changes nothing the server runs.
 
-    python benchmarks/probe_verify_gemm.py [--rows 64,256,320,384]
+    python benchmarks/probe_verify_gemm.py [--rows 64,256,320,384] [--blas cublaslt,no-rr]
+                                           [--no-triton]
 """
 
 from __future__ import annotations
@@ -60,6 +62,16 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> 
     _linear_kernel[grid](x, w, y, m, n, k, bm, bn, bk, num_warps=warps, num_stages=stages)
 
 
+# torch's settings for bf16 F.linear that may change the kernel cuBLAS picks (default: neither)
+BLAS_SETTINGS = ("cublaslt", "no-rr")
+
+
+def blas_setting(name: str) -> None:
+    """Sets one of ``BLAS_SETTINGS`` ("default" restores torch's defaults)."""
+    torch.backends.cuda.preferred_blas_library("cublaslt" if name == "cublaslt" else "cublas")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = name != "no-rr"
+
+
 def per_weight_ms(call, ws: list[torch.Tensor]) -> float:
     """ms per call of ``call(w)``, timed over one call per weight copy in turn."""
     return time_ms(lambda: [call(v) for v in ws]) / len(ws)
@@ -68,8 +80,14 @@ def per_weight_ms(call, ws: list[torch.Tensor]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="64,256,320,384")
+    ap.add_argument("--blas", default="", help=f"comma list of {BLAS_SETTINGS}, each timed too")
+    ap.add_argument("--no-triton", action="store_true", help="cuBLAS only")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    settings = [b for b in args.blas.split(",") if b]
+    for b in settings:
+        if b not in BLAS_SETTINGS:
+            ap.error(f"--blas: {b!r} is not one of {BLAS_SETTINGS}")
     peak = matmul_rate()
     print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
     table = []
@@ -85,8 +103,14 @@ def main() -> None:
             row = [name, m, n, k]
             ms = per_weight_ms(lambda v, x=x: F.linear(x, v), ws)
             row += [f"{ms * 1e3:.1f}", f"{flop / ms / 1e9:.0f}"]
+            for b in settings:
+                blas_setting(b)
+                err = (F.linear(x, w).float() - ref.float()).abs().max().item()
+                b_ms = per_weight_ms(lambda v, x=x: F.linear(x, v), ws)
+                blas_setting("default")
+                row += [f"{b_ms * 1e3:.1f}" + ("" if err < 0.05 else f" (max error {err:.2g})")]
             best = None
-            for t in TILINGS:
+            for t in () if args.no_triton else TILINGS:
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 try:
                     triton_linear(x, w, y, t)
@@ -108,9 +132,10 @@ def main() -> None:
             table.append(row)
             print(" | ".join(str(c) for c in row), flush=True)
     print()
-    print(format_table(["gemm", "rows", "N", "K", "cuBLAS us", "cuBLAS TFLOP/s", "Triton us",
-                        "Triton TFLOP/s", "Triton tiling (bm,bn,bk,warps,stages)",
-                        "cuBLAS/Triton"], table))  # fmt: skip
+    print(format_table(["gemm", "rows", "N", "K", "cuBLAS us", "cuBLAS TFLOP/s"]
+                       + [f"{b} us" for b in settings]
+                       + ["Triton us", "Triton TFLOP/s", "Triton tiling (bm,bn,bk,warps,stages)",
+                          "cuBLAS/Triton"], table))  # fmt: skip
 
 
 if __name__ == "__main__":
