@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import LLAMA3_8B_GEMMS
 from sgl_atom.kernels.row_quant import quant as row_quant
 from sgl_atom.kernels.row_quant import quant_rows_fp8
 
 from sgl_atom.speculative.dspark.fp8_weights import Fp8Rows, fp8_matmul, quant_rows
 
-SHAPES = {"lm_head": (128256, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "qkv": (6144, 4096)}  # fmt: skip
+SHAPES = {name: LLAMA3_8B_GEMMS[name] for name in ("lm_head", "gate_up", "down", "qkv")}
 ROWS = (4, 64, 256)
 
 

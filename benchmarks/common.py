@@ -17,6 +17,11 @@ import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# A Llama-3-8B layer's GEMMs and its LM head, (N, K) of ``F.linear(x[M, K], w[N, K])``: the 8B
+# target's shapes, and a DSpark draft's of the same width
+LLAMA3_8B_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                   "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
+
 
 def import_kernels(family: str):
     """`sgl_atom.kernels.<family>` when sgl_atom is installed, else `kernels.<family>` from here."""

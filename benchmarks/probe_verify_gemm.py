@@ -19,10 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import device_name, format_table, matmul_rate, time_ms
+from common import LLAMA3_8B_GEMMS, device_name, format_table, matmul_rate, time_ms
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
 # (block_m, block_n, block_k, num_warps, num_stages)
 TILINGS = ((64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 4),
            (128, 256, 64, 8, 3), (64, 128, 128, 4, 3))  # fmt: skip
@@ -91,7 +89,7 @@ def main() -> None:
     peak = matmul_rate()
     print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
     table = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in LLAMA3_8B_GEMMS.items():
         # enough weight copies that one replay reads ~256 MB: none stays in L2 for the next call
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
               for _ in range(max(1, (256 << 20) // (2 * n * k)))]  # fmt: skip
