@@ -53,6 +53,12 @@ same batch under SGLang's profiler (N decode steps, `server_profile.py`): per st
 busy and idle time, its kernels by time, and its longest idle gaps with the host operations
 across them, appended to server_profile.md in --out.
 
+`--host-profile SECONDS` adds, after each timed decode of the 8B rows, one more run of the same
+batch with py-spy sampling the server's scheduler for SECONDS of its decode (`host_profile.py`,
+py-spy from ``PY_SPY`` or PATH): the scheduler's own host work per step against the step time,
+and where it goes, appended to server_host_profile.md in --out. The decode must outlast the
+window: pick --output so it does (a warning says when it did not).
+
 `--pd` measures a P/D pair on one GPU against a unified server (`server_pd.py`): TTFT at batch
 1 per prompt length and the KV each request moves (bytes, NIXL descriptors, write time, GB/s,
 from the prefill's `SGL_ATOM_PD_TRANSFER_LOG` lines); rows with "pd": "unified" / "pair", their
@@ -80,6 +86,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_profile  # noqa: E402
 import server_dspark as dspark  # noqa: E402
 import server_m3 as m3  # noqa: E402
 import server_pd as pd  # noqa: E402
@@ -283,6 +290,72 @@ class Profiling:
 PROFILE = Profiling()
 
 
+class HostProfiling:
+    """``--host-profile``: seconds of py-spy sampling per decode (0: none), the markdown file
+    the reports go to, and the recording of the last timed decode, summarized once its step
+    time is known."""
+
+    seconds: int = 0
+    report: Path | None = None
+    pending: tuple[str, Path] | None = None
+
+
+HOST = HostProfiling()
+
+
+def host_record(srv: Server, ids, output: int, ttft: float, label: str) -> None:
+    """Decode ``ids`` once more while py-spy samples the scheduler from just past the prefill
+    (``ttft``) for ``HOST.seconds``; the recording waits in ``HOST.pending``."""
+    import threading
+
+    pid = host_profile.scheduler_pid(srv.proc.pid) if srv.proc else None
+    if pid is None:
+        print(f"[bench_server] {label}: no scheduler process found to sample", flush=True)
+        return
+    done = threading.Event()
+
+    def decode() -> None:
+        try:
+            generate(srv, ids, output)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=decode, daemon=True)
+    t.start()
+    time.sleep(ttft + 0.3)
+    raw = HOST.report.parent / f"host_{label}.txt"
+    try:
+        _, text = host_profile.record(pid, HOST.seconds, raw)
+    except (OSError, RuntimeError) as e:
+        print(f"[bench_server] {label}: py-spy: {e}", flush=True)
+        t.join()
+        return
+    if done.is_set():
+        print(f"[bench_server] WARNING {label}: the decode ended inside the py-spy window; "
+              "raise --output", flush=True)  # fmt: skip
+    if "behind" in text:
+        print(f"[bench_server] WARNING {label}: py-spy fell behind its rate", flush=True)
+    t.join()
+    HOST.pending = (label, raw)
+
+
+def host_report(step_ms: float) -> None:
+    """The pending recording's summary at ``step_ms`` per decode step, printed and appended to
+    ``HOST.report``."""
+    if HOST.pending is None:
+        return
+    label, raw = HOST.pending
+    HOST.pending = None
+    s = host_profile.summarize(raw, HOST.seconds, step_ms)
+    md = host_profile.report(label, s)
+    with open(HOST.report, "a") as f:
+        f.write(md + "\n")
+    if "error" not in s:
+        print(f"[bench_server] host profile {label}: step {step_ms:.2f} ms, scheduler work "
+              f"{s['work_ms_per_step']:.2f} ms, waiting for the GPU {s['wait_ms_per_step']:.2f} "
+              "ms", flush=True)  # fmt: skip
+
+
 def timed_decode(
     srv: Server, vocab: int, batch: int, prompt: int, output: int, warm=False, graphs_per_step=1
 ):
@@ -302,6 +375,8 @@ def timed_decode(
         # last), even when a speculative step commits up to 8 tokens
         new = max(output, 8 * (PROFILE.steps + 2))
         profile_step(srv, ids, new, f"{srv.name}-{batch}x{prompt}", graphs_per_step)
+    if HOST.seconds:
+        host_record(srv, ids, output, ttft, f"{srv.name}-{batch}x{prompt}")
     return ttft, log, client
 
 
@@ -374,6 +449,7 @@ def profile_step(srv: Server, ids, output: int, label: str, graphs_per_step: int
 def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, extra=None) -> Row:
     ttft, log, client = timed_decode(srv, MODELS[model]["vocab_size"], batch, prompt, output)
     rate, n = log_decode_rate(log, batch)
+    host_report(batch / (rate or client) * 1e3 if rate or client else 0.0)
     return Row(
         model,
         backend,
@@ -411,6 +487,7 @@ def run_spec_workload(
     running = dspark.admitted(log, plain.batch)
     rate, accept, n = dspark.spec_log_rate(log, running)
     rate, accept = rate or client, accept or forced + 1
+    host_report(running * accept / rate * 1e3 if rate else 0.0)
     if abs(accept - (forced + 1)) > 0.05:
         print(f"[bench_server] WARNING: accept len {accept:.2f}, forced {forced + 1}", flush=True)
     extra = dict(spec=spec, block=block, forced_accept=forced, draft_kv=draft_kv)
@@ -1061,6 +1138,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after each timed decode, profile this many decode steps of the same batch "
         "(server_profile.md in --out)",
     )
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="after each timed decode of the 8B rows, sample the scheduler with py-spy for this "
+        "many seconds of the same batch's decode (server_host_profile.md in --out)",
+    )
     args = ap.parse_args(argv)
     try:
         pd.parse_variants(args.pd_variants)
@@ -1211,6 +1296,14 @@ def main(argv: list[str] | None = None) -> None:
         PROFILE.report.write_text(
             f"# Decode steps under SGLang's profiler\n\n{header['machine']}, {header['date']}, "
             f"run {run_id}\n\n`{header['command']}`\n\n"
+        )
+    if args.host_profile:
+        HOST.seconds = args.host_profile
+        HOST.report = Path(args.out) / "server_host_profile.md"
+        HOST.report.parent.mkdir(parents=True, exist_ok=True)
+        HOST.report.write_text(
+            f"# The scheduler's host time per decode step (py-spy)\n\n{header['machine']}, "
+            f"{header['date']}, run {run_id}\n\n`{header['command']}`\n\n"
         )
     rows = run_suite(args, gbps, run_id, lambda rows: write_results(Path(args.out), header, rows))
     print(write_results(Path(args.out), header, rows))
