@@ -88,3 +88,82 @@ def test_fp8_weight_draft_on_cuda(oracle, dtype, report):
     expected = case.reference_drafts(weights, served.dspark)
     same = sum(tokens[b].tolist() == e.tolist() for b, e in enumerate(expected))
     report(f"GPU DSpark fp8-weight draft, {dtype} pool: {same}/{len(expected)} blocks as float64")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_draft_graphs_replay_the_eager_pass_and_write_on_cuda(oracle, dtype, report):
+    """The draft's CUDA graphs (draft_graphs.capture) on the unit test's ragged batch: the
+    propose replay, at its own size and padded into a larger graph, gives each request's anchor
+    (the last of its accepted tokens) and, bit for bit, the drafts of the same pass launched
+    eagerly (the unit test checks that pass against the per-step one); the context-write
+    replay stores at the committed rows' slots what the eager write stores, and nothing
+    elsewhere but SGLang's padding slot."""
+    import copy
+
+    from sgl_atom.speculative.dspark.draft_graphs import DraftPass, capture, verify_context_rows
+    from sgl_atom.speculative.dspark.pool import write_context_kv
+
+    served = placed(oracle, torch.bfloat16, "cuda")
+    case = Case(served, dtype, seed=23, device="cuda")
+    case.write_context(served)
+    args = case.pass_args(served)
+    want = served.propose(**args)
+    bs, window, gen = len(case.LENS), served.dspark.block_size + 1, torch.Generator()
+    gen.manual_seed(int(torch.randint(0, 1 << 30, ())))
+    req_to_token = torch.zeros(bs + 6, max(case.LENS) + 9, dtype=torch.int32)
+    rows = torch.randperm(bs + 6, generator=gen)[:bs]
+    req_to_token[rows, : case.context_slots.shape[1]] = case.context_slots
+    dpass = DraftPass(served, case.pool, args["embed"], args["lm_head"], req_to_token.cuda(),
+                      bs + 2, window)  # fmt: skip
+    graphs = capture(dpass, [bs, bs + 2])
+    assert graphs is not None and graphs.writes, "capture failed (see the log)"
+    accept_lens = torch.randint(1, window + 1, (bs,), generator=gen)
+    accepted = torch.randint(0, served.dspark.vocab_size, (bs, window), generator=gen)
+    accepted[torch.arange(bs), accept_lens - 1] = case.anchors
+    lens = torch.tensor(case.LENS)
+    inputs = [t.cuda() for t in (accepted.flatten(), accept_lens, lens, rows)]
+    same = 0
+    for size in (bs, bs + 2):  # the graph of the batch's own size, then padded into a larger
+        graphs.sizes = [size]
+        got = graphs.propose(*inputs)
+        assert got is not None, f"no graph of {size} rows"
+        got = got.clone()
+        dpass.load(*inputs)  # the same pass launched eagerly: the same kernels, bit for bit
+        assert torch.equal(got, dpass.run(size)[:bs]), f"graph of {size} rows"
+        assert torch.equal(got[:, 0].cpu(), case.anchors), "the anchors: last accepted tokens"
+        # against the per-step pass (another table width: a near-tie may flip), reported
+        same += sum(a.tolist() == b.tolist() for a, b in zip(got[:, 1:], want, strict=True))
+    graphs.sizes = sorted(graphs.graphs)
+
+    # the context write of a verify: poisoned free slots of the pool, then the graph's write
+    # against the eager write into a copy of the pool
+    width = served.dspark.num_taps * served.dspark.tap_hidden_size
+    taps = torch.randn(bs * window, width, generator=gen).to("cuda", served.dtype)
+    free = torch.tensor(sorted(set(range(1, Case.SLOTS)) - set(torch.cat(case.slots).tolist())))
+    # the pool has 23 free slots for 25 window rows: at most 3 rows committed per request, the
+    # slots of rows past them repeat (they go to slot 0)
+    window_slots = free[torch.randperm(free.numel(), generator=gen)].repeat(2)[: bs * window]
+    write_lens = torch.randint(1, 4, (bs,), generator=gen)
+    starts = torch.randint(0, 40, (bs,), generator=gen)
+    cols = torch.arange(window)
+    accept_index = torch.where(
+        cols < write_lens[:, None], torch.arange(bs)[:, None] * window + cols, -1
+    ).to(torch.int32)
+    inputs = [t.cuda() for t in (accept_index, write_lens, starts, window_slots)]
+    eager = copy.deepcopy(case.pool)
+    r, p, s = verify_context_rows(*inputs, window)
+    write_context_kv(served, eager, taps[r], p, s, dpass.max_position)
+    assert graphs.write_context(taps, *inputs)
+    torch.cuda.synchronize()
+    written = s[s > 0]
+    tol = 1e-2 if dtype == "bf16" else 4e-2
+    for layer in range(served.dspark.num_hidden_layers):
+        pair = zip(eager.read(layer, written), case.pool.read(layer, written), strict=True)
+        for a, b in pair:
+            assert_close_rel(b.float().cpu(), a.float().cpu(), tol, what=f"layer {layer} K/V")
+    for a, b in zip(eager.k_all + eager.v_all, case.pool.k_all + case.pool.v_all, strict=True):
+        rest = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+        rest[written], rest[0] = False, False
+        assert torch.equal(a[rest].view(torch.uint8), b[rest].view(torch.uint8)), "other slots"
+    report(f"GPU DSpark draft graphs, {dtype} pool: propose and context write replay as eager; "
+           f"{same}/{2 * bs} blocks as the per-step pass")  # fmt: skip

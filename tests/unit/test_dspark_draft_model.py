@@ -354,8 +354,10 @@ def test_bf16_pool_under_an_fp16_draft(model, monkeypatch, kernels):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dtype, monkeypatch):
     """The pass the CUDA graphs capture (DraftPass: padded batch rows, whole req_to_token rows as
-    the table, fixed bounds) drafts the same tokens as the per-step pass, padded or not, with
-    the requests' rows anywhere in req_to_token; rows past the batch get an empty context."""
+    the table, fixed bounds, each anchor taken from the previous step's accepted tokens inside
+    the pass) gives the anchors and the same draft tokens as the per-step pass, padded or not,
+    with the requests' rows anywhere in req_to_token; rows past the batch get an empty
+    context."""
     from sgl_atom.speculative.dspark.draft_graphs import DraftGraphs, DraftPass
 
     monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", "triton")
@@ -370,29 +372,38 @@ def test_static_draft_pass_drafts_what_the_dynamic_pass_drafts(model, served, dt
     args = case.pass_args(served)
     dpass = DraftPass(served, case.pool, args["embed"], args["lm_head"], req_to_token, bs + 2, 5)
     lens = torch.tensor(case.LENS)
+    # the previous step's accepted tokens: each anchor last of its request's accepted ones
+    accept_lens = torch.randint(1, 6, (bs,), generator=gen)
+    accepted = torch.randint(0, served.dspark.vocab_size, (bs, 5), generator=gen)
+    accepted[torch.arange(bs), accept_lens - 1] = case.anchors
     # a larger batch first: its rows must not leak into the next, smaller one
-    dpass.load(torch.arange(bs + 2), torch.full((bs + 2,), 5), torch.arange(bs + 2))
-    dpass.load(case.anchors, lens, rows)
-    assert dpass.lens[bs:].tolist() == [0, 0] and dpass.anchors[bs:].tolist() == [0, 0]
+    full = torch.full((bs + 2,), 5)
+    dpass.load(torch.arange((bs + 2) * 5), full, full, torch.arange(bs + 2))
+    dpass.load(accepted.flatten(), accept_lens, lens, rows)
+    assert dpass.lens[bs:].tolist() == [0, 0]
+    want = torch.cat([case.anchors[:, None], want], dim=1)
     assert torch.equal(dpass.run(bs), want)
     assert torch.equal(dpass.run(bs + 2)[:bs], want)  # padded as a graph of 7 rows runs it
     with pytest.raises(ValueError, match="buffers hold 7"):
-        dpass.load(torch.zeros(8, dtype=torch.int64), torch.zeros(8), torch.zeros(8))
+        eight = torch.zeros(8, dtype=torch.int64)
+        dpass.load(torch.zeros(40, dtype=torch.int64), eight, eight, eight)
     graphs = DraftGraphs.__new__(DraftGraphs)  # the replay choice alone (capture needs CUDA)
     graphs.sizes = [1, 2, 4, 8]
     assert [graphs.size_for(b) for b in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
     # context writes whose capture failed (none kept): the worker writes eagerly
     graphs.dpass, graphs.writes = dpass, {}
-    idx = torch.zeros(bs * 5, dtype=torch.int64)
-    assert graphs.write_context(torch.zeros(bs * 5, 1), idx, idx, idx) is False
+    idx = torch.zeros(bs, dtype=torch.int64)
+    assert graphs.write_context(torch.zeros(bs * 5, 1), idx, idx, idx, idx) is False
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_static_context_write_writes_what_the_eager_write_writes(served, dtype, monkeypatch):
-    """The context write the CUDA graphs capture (DraftPass.write_context: the verify window's
-    rows in static buffers, padded batch rows, fixed RoPE bound) stores the same K/V (and fp8
-    scales) at every committed row's slot as the per-step write, after a larger batch filled
-    the buffers; rows not committed and padded rows touch SGLang's padding slot 0 only."""
+    """The context write the CUDA graphs capture (DraftPass.write_context: the verify's taps,
+    accept index and lengths, sequence lengths and window slots in static buffers, the
+    committed rows worked out inside it, padded batch rows, fixed RoPE bound) stores the same
+    K/V (and fp8 scales) at every committed row's slot as the per-step write, after a larger
+    batch filled the buffers; rows not committed and padded rows touch SGLang's padding slot 0
+    only."""
     from sgl_atom.speculative.dspark.draft_graphs import DraftPass
 
     monkeypatch.setenv("SGL_ATOM_CPU_KERNELS", "triton")
@@ -409,21 +420,23 @@ def test_static_context_write_writes_what_the_eager_write_writes(served, dtype, 
     keep = cols < committed
     chain = torch.arange(bs)[:, None] * window + cols
     rows = torch.where(keep, chain, 0).flatten()
-    positions = (torch.randint(0, 40, (bs, 1), generator=gen) + cols).flatten()
+    starts = torch.randint(0, 40, (bs, 1), generator=gen)
+    positions = (starts + cols).flatten()
     free = (torch.randperm(Case.SLOTS - 1, generator=gen) + 1)[: bs * window].view(bs, window)
     slots = torch.where(keep, free, 0).flatten()
+    accept_index = torch.where(keep, chain, -1).to(torch.int32)  # as SGLang's verify gives it
     for layer, (k, v) in enumerate(served.context_kv(taps[rows], positions, 60)):
         pools[0].write(layer, slots, k, v)
 
     req_to_token = torch.zeros(bs + 2, 64, dtype=torch.int32)
     embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=served.dtype)
     dpass = DraftPass(served, pools[1], embed, embed, req_to_token, bs + 2, window)
-    big = (bs + 2) * window  # a larger batch's rows first: none may leak into this one
-    dpass.load_context(
-        taps.repeat(2, 1), torch.arange(big), torch.arange(big), 1 + torch.arange(big)
-    )
-    dpass.load_context(taps, rows, positions, slots)
-    assert not dpass.ctx_slots[bs * window :].any() and not dpass.ctx_pos[bs * window :].any()
+    big, many = (bs + 2) * window, bs + 2  # a larger batch first: none may leak into this one
+    full = torch.full((many,), window)
+    old = taps.repeat(2, 1)[:big]
+    dpass.load_context(old, torch.arange(big), full, full, 1 + torch.arange(big))
+    dpass.load_context(taps, accept_index, committed.flatten(), starts.flatten(), free.flatten())
+    assert not dpass.ctx_accept[bs:].any(), "the padded requests commit nothing"
     dpass.write_context(bs + 2)  # padded as a graph of bs + 2 rows runs it
     written = slots[slots > 0]
     # the same rows at the same slots: equal up to the rounding a matmul of more rows may
@@ -442,7 +455,8 @@ def test_static_context_write_writes_what_the_eager_write_writes(served, dtype, 
         rest[written], rest[0] = False, False
         assert b[rest].float().isnan().all(), "only committed slots and the padding slot"
     with pytest.raises(ValueError, match="buffers hold"):
-        dpass.load_context(taps, torch.zeros(big + 1, dtype=torch.int64), positions, slots)
+        more = torch.ones(many + 1, dtype=torch.int64)
+        dpass.load_context(taps, more, more, more, more)
 
 
 def test_draft_graph_sizes_follow_the_target_graphs_on_cuda_only():

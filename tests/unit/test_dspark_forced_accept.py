@@ -79,6 +79,16 @@ def test_forced_acceptance_commits_n_plus_one_target_tokens(n):
         committed = predict[accept_index[b, : n + 1].long()]
         assert committed.tolist() == target[b, : n + 1].tolist()
     assert predict.dtype == accept_index.dtype == accept_lens.dtype == torch.int32
+    # with the worker's plans the shape-only tensors are built once per batch size; the
+    # argmax is the step's own
+    plans: dict = {}
+    first = fa.forced_acceptance(logits, batch, window, window, n, plans)
+    again = fa.forced_acceptance(-logits, batch, window, window, n, plans)
+    assert again[1] is first[1] and again[2] is first[2] and len(plans) == 1
+    assert torch.equal(first[2], accept_index) and torch.equal(first[1], accept_lens)
+    assert torch.equal(again[0], (-logits).argmax(-1).to(torch.int32))
+    fewer = fa.forced_acceptance(logits[:window], 1, window, window, n, plans)
+    assert fewer[2].tolist() == accept_index[:1].tolist() and len(plans) == 2
 
 
 def test_forced_acceptance_skips_eagle_sample_only_where_it_leaves_the_logits_alone():

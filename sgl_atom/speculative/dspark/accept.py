@@ -67,7 +67,7 @@ class SpecStats:
     def update(self, accepted: torch.Tensor | Sequence[int]) -> None:
         """Count one verify of ``len(accepted)`` requests with these accepted draft counts."""
         counts = accepted.tolist() if isinstance(accepted, torch.Tensor) else list(accepted)
-        if any(c < 0 or c > self.block_size for c in counts):
+        if counts and (min(counts) < 0 or max(counts) > self.block_size):
             raise ValueError(f"accepted counts must lie in [0, k={self.block_size}], got {counts}")
         self.steps += len(counts)
         self.accepted += int(sum(counts))

@@ -23,8 +23,10 @@ dropped.
 The context write after a verify (the tap projection, per layer the K/V projections, norm, RoPE
 and the pool store: some 15 kernels a layer) has fixed shapes too, ``bs x (k + 1)`` rows of the
 verify window, the rows not committed going to SGLang's padding slot 0. It is captured the same
-way (:meth:`DraftPass.write_context`): a step gathers its committed rows' taps, positions and
-slots into static buffers, the rows past the batch go to slot 0, and one graph replays the rest.
+way (:meth:`DraftPass.write_context`): a step copies the verify's taps, its accept index and
+lengths, the requests' lengths and the window's slots into static buffers, and one graph replays
+the rest, from :func:`verify_context_rows` (which rows are committed, their positions and slots)
+on; the rows past the batch go to slot 0.
 """
 
 from __future__ import annotations
@@ -39,6 +41,36 @@ from ...log import get_logger
 from .pool import block_page_table, write_context_kv
 
 logger = get_logger("sgl_atom.speculative")
+
+
+def verify_context_rows(
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(taps rows, positions, slots) of a chain verify's context write, one per row of every
+    request's window (``window`` = k + 1): row j of request i is committed when j <
+    ``accept_lens[i]``; it reads taps row ``accept_index[i, j]`` and goes to position
+    ``seq_lens[i] + j`` at slot ``window_slots[i * window + j]`` (the verify's
+    ``out_cache_loc``). A row not committed reads taps row 0 and goes to slot 0, SGLang's
+    padding slot, which no token holds: fixed shapes, nothing waits for the verify to know how
+    many rows there are (a boolean selection would)."""
+    cols = torch.arange(window, device=accept_lens.device)[None, :]
+    keep = cols < accept_lens[:, None]
+    rows = accept_index.reshape(-1).long().clamp(min=0)  # -1: a row not committed
+    positions = (seq_lens.long()[:, None] + cols).reshape(-1)
+    slots = torch.where(keep, window_slots.view(-1, window).long(), 0).reshape(-1)
+    return rows, positions, slots
+
+
+def anchors_of(accept_tokens: torch.Tensor, accept_lens: torch.Tensor, window: int) -> torch.Tensor:
+    """Each request's last committed token, int64 [bs]: the last of the first ``accept_lens``
+    tokens of its window in ``accept_tokens`` ([bs * window], what the worker returns after a
+    verify, or after an extend with the sampled token first and ``accept_lens`` 1)."""
+    last = (accept_lens.long() - 1).clamp(min=0)
+    return accept_tokens.view(-1, window).gather(1, last[:, None]).squeeze(1).long()
 
 
 class DraftPass:
@@ -64,65 +96,89 @@ class DraftPass:
         self.req_to_token = req_to_token
         self.width = int(req_to_token.shape[1])  # the longest context a request can have
         self.max_bs = max_bs
-        self.anchors = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(max_bs * window, dtype=torch.int64, device=device)
+        self.accept_lens = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
         # RoPE tables as long as any block position, grown now and never inside a graph
         self.max_position = self.width + draft.dspark.query_len - 1
         draft.cover_positions(self.max_position + 1)
-        # the verify window's rows (``window`` = k + 1 per request) for the context write
+        # the context write's inputs: the verify window's rows (``window`` = k + 1 per request)
+        # and per request its accepted length and sequence length
         cfg, rows = draft.dspark, max_bs * window
         self.window = window
         self.ctx_taps = torch.zeros(
             rows, cfg.num_taps * cfg.tap_hidden_size, dtype=draft.dtype, device=device
         )
-        self.ctx_pos = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.ctx_index = torch.zeros(rows, dtype=torch.int64, device=device)
         self.ctx_slots = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.ctx_accept = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.ctx_lens = torch.zeros(max_bs, dtype=torch.int64, device=device)
 
-    def load(self, anchors: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> None:
-        """One step's inputs into rows 0..bs-1; the rows past them get an empty context."""
-        bs = anchors.shape[0]
+    def load(
+        self,
+        accept_tokens: torch.Tensor,
+        accept_lens: torch.Tensor,
+        lens: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """One step's inputs into rows 0..bs-1: the previous step's accepted tokens and their
+        counts (the anchors are worked out in the pass, :func:`anchors_of`), the context
+        lengths and ``req_to_token`` rows. The rows past them get an empty context; their
+        anchors and table rows, whatever an earlier step left, are valid ids whose tokens are
+        dropped."""
+        bs = lens.shape[0]
         if bs > self.max_bs:
             raise ValueError(f"draft pass of {bs} rows, buffers hold {self.max_bs}")
-        self.anchors[:bs].copy_(anchors)
+        self.accepted[: bs * self.window].copy_(accept_tokens.reshape(-1))
+        self.accept_lens[:bs].copy_(accept_lens)
         self.lens[:bs].copy_(lens)
         self.rows[:bs].copy_(rows)
-        self.anchors[bs:].zero_()
         self.lens[bs:].zero_()
-        self.rows[bs:].zero_()
 
     def load_context(
-        self, taps: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        taps: torch.Tensor,
+        accept_index: torch.Tensor,
+        accept_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window_slots: torch.Tensor,
     ) -> None:
-        """One verify's context rows: ``taps[rows]``, their positions and slots (slot 0 for a
-        row not committed) into the first ``rows.numel()`` buffer rows; the rows past them go
-        to slot 0 at position 0."""
-        n = rows.numel()
+        """One verify's inputs of :func:`verify_context_rows` into the first requests' rows
+        of the buffers; the requests past them commit nothing (their rows go to slot 0)."""
+        bs = accept_lens.shape[0]
+        n = bs * self.window
         if n > self.ctx_slots.numel():
             raise ValueError(f"context write of {n} rows, buffers hold {self.ctx_slots.numel()}")
-        self.ctx_taps[:n].copy_(taps[rows])
-        self.ctx_pos[:n].copy_(positions)
-        self.ctx_slots[:n].copy_(slots)
-        self.ctx_pos[n:].zero_()
-        self.ctx_slots[n:].zero_()
+        self.ctx_taps[:n].copy_(taps)
+        self.ctx_index[:n].copy_(accept_index.reshape(-1))
+        self.ctx_slots[:n].copy_(window_slots.reshape(-1))
+        self.ctx_accept[:bs].copy_(accept_lens)
+        self.ctx_lens[:bs].copy_(seq_lens)
+        self.ctx_accept[bs:].zero_()
 
     def write_context(self, bs: int) -> None:
-        """The draft's context K/V of buffer rows 0..bs * window - 1 into the pool at their
-        slots (fixed shapes for a given ``bs``)."""
+        """The draft's context K/V of the committed rows of requests 0..bs-1 into the pool at
+        their slots (fixed shapes for a given ``bs``)."""
         n = bs * self.window
-        write_context_kv(
-            self.draft, self.pool, self.ctx_taps[:n], self.ctx_pos[:n], self.ctx_slots[:n],
-            self.max_position,
+        rows, positions, slots = verify_context_rows(
+            self.ctx_index[:n], self.ctx_accept[:bs], self.ctx_lens[:bs], self.ctx_slots[:n],
+            self.window,
         )  # fmt: skip
+        write_context_kv(
+            self.draft, self.pool, self.ctx_taps[rows], positions, slots, self.max_position
+        )
 
     def run(self, bs: int) -> torch.Tensor:
-        """Draft tokens [bs, k] of rows 0..bs-1 (fixed shapes for a given ``bs``)."""
+        """The verify block [bs, k + 1] of rows 0..bs-1, each row's anchor then its k draft
+        tokens (fixed shapes for a given ``bs``)."""
         lens = self.lens[:bs]
+        anchors = anchors_of(self.accepted[: bs * self.window], self.accept_lens[:bs], self.window)
         table = block_page_table(
             self.req_to_token[self.rows[:bs]], lens, self.pool.scratch_rows(bs)
         )
-        return self.draft.propose(
-            anchors=self.anchors[:bs],
+        drafts = self.draft.propose(
+            anchors=anchors,
             context_lens=lens,
             page_table=table,
             pool=self.pool,
@@ -130,6 +186,7 @@ class DraftPass:
             lm_head=self.lm_head,
             max_context=self.width,
         )
+        return torch.cat([anchors[:, None], drafts.to(anchors.dtype)], dim=1)
 
 
 class DraftGraphs:
@@ -181,26 +238,36 @@ class DraftGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def propose(
-        self, anchors: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor
+        self,
+        accept_tokens: torch.Tensor,
+        accept_lens: torch.Tensor,
+        lens: torch.Tensor,
+        rows: torch.Tensor,
     ) -> torch.Tensor | None:
-        """Draft tokens [bs, k] by replaying a graph, or None when no graph holds ``bs``."""
-        bs = anchors.shape[0]
+        """The verify block [bs, k + 1] (anchors, then the draft tokens) by replaying a graph
+        (:meth:`DraftPass.load` has the arguments), or None when no graph holds ``bs``."""
+        bs = lens.shape[0]
         size = self.size_for(bs)
         if size is None:
             return None
-        self.dpass.load(anchors, lens, rows)
+        self.dpass.load(accept_tokens, accept_lens, lens, rows)
         self.graphs[size].replay()
         return self.out[size][:bs]
 
     def write_context(
-        self, taps: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        taps: torch.Tensor,
+        accept_index: torch.Tensor,
+        accept_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window_slots: torch.Tensor,
     ) -> bool:
-        """A verify's context write (``rows`` of ``taps``, one per window row of each request)
-        by replaying a graph; False when no graph holds the batch."""
-        size = self.size_for(rows.numel() // self.dpass.window)
+        """A verify's context write (:func:`verify_context_rows` of these) by replaying a
+        graph; False when no graph holds the batch."""
+        size = self.size_for(accept_lens.shape[0])
         if size is None or size not in self.writes:
             return False
-        self.dpass.load_context(taps, rows, positions, slots)
+        self.dpass.load_context(taps, accept_index, accept_lens, seq_lens, window_slots)
         self.writes[size].replay()
         return True
 

@@ -72,22 +72,36 @@ def settle_forced_accept(server_args, previous) -> None:
 
 
 def forced_acceptance(
-    next_token_logits: torch.Tensor, batch: int, window: int, width: int, n: int
+    next_token_logits: torch.Tensor,
+    batch: int,
+    window: int,
+    width: int,
+    n: int,
+    plans: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What ``eagle_sample`` returns, with exactly ``n`` drafts accepted for every request.
 
     next_token_logits: [batch * window, vocab], the verify pass's logits (window = k + 1);
     width: accept_index's columns. Returns predict [batch * window] int32 (the target's greedy
     token at every verify position), accept_lens [batch] int32 = n + 1, and accept_index
-    [batch, width] int32 holding b * window + j for j <= n, -1 after.
+    [batch, width] int32 holding b * window + j for j <= n, -1 after. The last two depend on
+    the shapes only: with ``plans`` (a dict the caller keeps) they are built once per batch
+    size and handed out again (nothing downstream writes into them), so a step launches the
+    argmax alone.
     """
     device = next_token_logits.device
     predict = next_token_logits.argmax(dim=-1).to(torch.int32)
-    cols = torch.arange(width, device=device, dtype=torch.int32)[None, :]
-    rows = torch.arange(batch, device=device, dtype=torch.int32)[:, None] * window
-    accept_index = torch.where(cols <= n, rows + cols, torch.full_like(cols, -1))
-    accept_lens = torch.full((batch,), n + 1, dtype=torch.int32, device=device)
-    return predict, accept_lens, accept_index
+    key = (batch, window, width, n, device)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        cols = torch.arange(width, device=device, dtype=torch.int32)[None, :]
+        rows = torch.arange(batch, device=device, dtype=torch.int32)[:, None] * window
+        accept_index = torch.where(cols <= n, rows + cols, torch.full_like(cols, -1))
+        accept_lens = torch.full((batch,), n + 1, dtype=torch.int32, device=device)
+        plan = (accept_lens, accept_index)
+        if plans is not None:
+            plans[key] = plan
+    return predict, *plan
 
 
 def adjusts_logits(sampling_info, grammar_mask) -> bool:

@@ -74,7 +74,14 @@ from ...pool_state import state_of
 from ..draft_kv_resolution import draft_kv_config
 from .accept import SpecStats
 from .algorithm import host_seq_lens
-from .draft_graphs import DraftGraphs, DraftPass, capture, capture_sizes
+from .draft_graphs import (
+    DraftGraphs,
+    DraftPass,
+    anchors_of,
+    capture,
+    capture_sizes,
+    verify_context_rows,
+)
 from .forced_accept import FLAG, WARNING, adjusts_logits, forced_accept, forced_acceptance
 from .fp8_weights import Fp8Rows, draft_quantization
 from .loader import load_draft, relay_stage_taps
@@ -130,6 +137,7 @@ class AtomDSparkWorker(NGRAMWorker):
         # draft passes and context writes since the last log line
         self.passes = {"replayed": 0, "eager": 0, "writes replayed": 0, "writes eager": 0}
         self.forced_accept = forced_accept(server_args)
+        self.forced_plans: dict = {}  # forced acceptance's accept lengths and index per shape
         if self.forced_accept is not None:
             logger.warning(WARNING, FLAG, self.forced_accept, self.forced_accept)
         self.producer = get_disagg().disaggregation_mode == "prefill"
@@ -291,48 +299,48 @@ class AtomDSparkWorker(NGRAMWorker):
         ``accept_lens`` of its verify window) at their slots: ``window_slots``, the verify's
         own ``out_cache_loc`` (read here rather than ``req_to_token``, which the host may
         already be rewriting for the next step under overlap). Every row of the window is
-        computed and the rows not committed go to slot 0, SGLang's padding slot, which no token
-        holds: fixed shapes, so nothing waits for the verify to know how many rows there are
-        (a boolean selection would)."""
+        computed, the rows not committed going to SGLang's padding slot
+        (:func:`.draft_graphs.verify_context_rows`); with the draft's graphs that arithmetic
+        replays inside the write's graph, and the host only copies its inputs."""
         if self.stale_context:
             return
-        n = self.draft_token_num
-        cols = torch.arange(n, device=self.device)[None, :]
-        keep = cols < accept_lens[:, None]
-        rows = accept_index.long().clamp(min=0).reshape(-1)  # -1: a row not committed
-        positions = batch.seq_lens.long()[:, None] + cols
-        slots = window_slots.view(-1, n).to(torch.int64)
-        slots = torch.where(keep, slots, torch.zeros_like(slots)).reshape(-1)
-        positions = positions.reshape(-1)
-        if self.graphs is not None and self.graphs.write_context(taps, rows, positions, slots):
+        args = (taps, accept_index, accept_lens, batch.seq_lens, window_slots)
+        if self.graphs is not None and self.graphs.write_context(*args):
             self.passes["writes replayed"] += 1
             return
         self.passes["writes eager"] += 1
+        n = self.draft_token_num
+        rows, positions, slots = verify_context_rows(*args[1:], n)
         bound = self._max_seq_len(batch) + n - 1
         self.write_context(taps[rows], positions, slots, bound)
 
     # ---------------------------------------------------------------- propose
 
-    def _anchors(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Each request's last committed token, on the device: the last accepted token of the
-        previous step (the extend's sampled token after a prefill), from the draft input SGLang
-        relays (overlap) or installs (synchronous). ``req.output_ids`` would be one step
-        behind under overlap, and reading them means a copy from the host every step."""
+    def _accepted(self, batch: ScheduleBatch):
+        """The previous step's accepted tokens and their counts (the extend's sampled token
+        after a prefill), on the device: the draft input SGLang relays (overlap) or installs
+        (synchronous). Each request's anchor is the last of them (:func:`.anchors_of`);
+        ``req.output_ids`` would be one step behind under overlap, and reading them means a
+        copy from the host every step."""
         spec = batch.spec_info
-        bs = len(batch.reqs)
         if spec is None or spec.accept_tokens is None or spec.accept_lens is None:
             raise RuntimeError(
                 "ATOM_DSPARK: a decode batch without the previous step's accepted tokens "
                 f"(spec_info {type(spec).__name__}); the scheduler relays them from every "
                 "extend and verify result"
             )
-        tokens = spec.accept_tokens.view(bs, self.draft_token_num)
-        last = (spec.accept_lens.to(torch.int64) - 1).clamp(min=0)
-        return tokens.gather(1, last[:, None]).squeeze(1).to(torch.int64)
+        return spec.accept_tokens, spec.accept_lens
 
     def _verify_block(self, batch: ScheduleBatch) -> torch.Tensor:
-        """[bs, k + 1] on the device: each request's anchor and its k draft tokens."""
-        anchors = self._anchors(batch)
+        """[bs, k + 1] on the device: each request's anchor and its k draft tokens. With the
+        draft's graphs, one replay works out the anchors and drafts the block."""
+        tokens, lens = self._accepted(batch)
+        if self.propose_enabled and self.graphs is not None:
+            block = self.graphs.propose(tokens, lens, batch.seq_lens, batch.req_pool_indices)
+            self.passes["replayed" if block is not None else "eager"] += 1
+            if block is not None:
+                return block
+        anchors = anchors_of(tokens, lens, self.draft_token_num)
         if self.propose_enabled:
             drafts = self._propose(batch, anchors)
         else:
@@ -441,12 +449,8 @@ class AtomDSparkWorker(NGRAMWorker):
     def _propose(self, batch: ScheduleBatch, anchors: torch.Tensor) -> torch.Tensor:
         """One draft pass for the whole batch: each request's block attends, through the
         pool's page-size-1 table, to its own context rows (SGLang's ``req_to_token`` row) and
-        its block's scratch rows; nothing is gathered out of the pool."""
-        if self.graphs is not None:
-            tokens = self.graphs.propose(anchors, batch.seq_lens, batch.req_pool_indices)
-            self.passes["replayed" if tokens is not None else "eager"] += 1
-            if tokens is not None:
-                return tokens
+        its block's scratch rows; nothing is gathered out of the pool. Eager: a batch no
+        graph holds, or a server without the draft's graphs."""
         seq_lens, n = batch.seq_lens, self._max_seq_len(batch)
         context = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :n]
         table = block_page_table(context, seq_lens, self.pool.scratch_rows(len(batch.reqs)))
@@ -523,6 +527,7 @@ class AtomDSparkWorker(NGRAMWorker):
                 self.draft_token_num,
                 verify_input.max_tree_depth,
                 self.forced_accept,
+                self.forced_plans,
             )
         new_seq_lens = batch.seq_lens + accept_lens
         if on_publish is not None:  # the host's next step may start preparing from here
