@@ -41,6 +41,7 @@ def worker(n, max_bs):
     w = AtomDSparkWorker.__new__(AtomDSparkWorker)
     w.device, w.draft_token_num, w.holds_draft = "cpu", n, False
     w.propose_enabled, w.grammar_tree_host = True, None
+    w.graphs = None  # no CUDA graphs here: the eager draft pass (stubbed below)
     w._target_worker = types.SimpleNamespace(get_memory_pool=lambda: (None, None))
     w.model_runner = types.SimpleNamespace(max_running_requests=max_bs)
     w.alloc_memory_pool()  # SGLang's buffers, then the chain mask
