@@ -55,9 +55,9 @@ across them, appended to server_profile.md in --out.
 
 `--host-profile SECONDS` adds, after each timed decode of the 8B rows, one more run of the same
 batch with py-spy sampling the server's scheduler for SECONDS of its decode (`host_profile.py`,
-py-spy from ``PY_SPY`` or PATH): the scheduler's own host work per step against the step time,
-and where it goes, appended to server_host_profile.md in --out. The decode must outlast the
-window: pick --output so it does (a warning says when it did not).
+py-spy from ``SGL_ATOM_PY_SPY`` or PATH): the scheduler's own host work per step against the
+step time, and where it goes, appended to server_host_profile.md in --out. The decode must
+outlast the window: pick --output so it does (a warning says when it did not).
 
 `--pd` measures a P/D pair on one GPU against a unified server (`server_pd.py`): TTFT at batch
 1 per prompt length and the KV each request moves (bytes, NIXL descriptors, write time, GB/s,

@@ -12,8 +12,8 @@ as the line that calls it, among the top leaf frames. Own work close to the step
 means the host sets the pace.
 
 py-spy comes from the ``py-spy`` wheel (PyPI); the device machine has no package index, so the
-binary travels with the call (``PY_SPY``, else ``py-spy`` on PATH). A probe: it reads a running
-server, it changes nothing it runs.
+binary travels with the call (``SGL_ATOM_PY_SPY``, else ``py-spy`` on PATH). A probe: it reads
+a running server, it changes nothing it runs.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ RATE_HZ = 1000
 
 
 def py_spy() -> str | None:
-    """The py-spy binary: ``PY_SPY``, else on PATH, else None."""
-    path = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    """The py-spy binary: ``SGL_ATOM_PY_SPY``, else on PATH, else None."""
+    from sgl_atom import envs
+
+    path = envs.SGL_ATOM_PY_SPY.get() or shutil.which("py-spy")
     return path if path and os.access(path, os.X_OK) else None
 
 
@@ -57,7 +59,7 @@ def record(pid: int, seconds: int, out: Path) -> tuple[Path, str]:
     output when it fell behind that rate."""
     exe = py_spy()
     if exe is None:
-        raise FileNotFoundError("py-spy not found: set PY_SPY or put py-spy on PATH")
+        raise FileNotFoundError("py-spy not found: set SGL_ATOM_PY_SPY or put py-spy on PATH")
     cmd = [exe, "record", "-p", str(pid), "-d", str(seconds), "-r", str(RATE_HZ), "-f", "raw",
            "-o", str(out), "--threads", "--nonblocking", "--full-filenames"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)

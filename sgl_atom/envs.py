@@ -142,6 +142,12 @@ SGL_ATOM_DSPARK_FUSED_MARKOV = EnvVar(
     "base logits and argmax; kernels/draft_markov) rather than a GEMM, an add and an argmax "
     "(0: the unfused torch ops).",
 )
+SGL_ATOM_PY_SPY = EnvVar(
+    "SGL_ATOM_PY_SPY",
+    "",
+    "benchmarks/bench_server.py --host-profile: path of the py-spy binary that samples the "
+    "server's scheduler (empty: py-spy on PATH).",
+)
 SGL_ATOM_DSPARK_HOST_SEQ_LENS = EnvVar(
     "SGL_ATOM_DSPARK_HOST_SEQ_LENS",
     False,
@@ -229,6 +235,7 @@ ALL: tuple[EnvVar, ...] = (
     SGL_ATOM_DSPARK_DRAFT_GRAPHS,
     SGL_ATOM_DSPARK_FUSED_MARKOV,
     SGL_ATOM_DSPARK_HOST_SEQ_LENS,
+    SGL_ATOM_PY_SPY,
     SGL_ATOM_PD_TRANSFER_TIMEOUT,
     SGL_ATOM_PD_WRITE_DELAY_MS,
     SGL_ATOM_PD_TRANSFER_LOG,
