@@ -97,7 +97,7 @@ def summarize(raw: Path, seconds: int, step_ms: float, top: int = 12) -> dict:
     if not per_thread:
         return {"error": "no samples"}
     main = per_thread.most_common(1)[0][0]
-    total = RATE_HZ * seconds
+    total = RATE_HZ * seconds  # samples in the window
     steps = seconds * 1e3 / step_ms if step_ms else 0.0
     leaves: Counter[str] = Counter()
     ours: Counter[str] = Counter()
@@ -117,8 +117,8 @@ def summarize(raw: Path, seconds: int, step_ms: float, top: int = 12) -> dict:
                 sched[f] += n
     busy = sum(leaves.values())
 
-    def ms(n: int) -> float:
-        return n / total * seconds * 1e3 / steps if steps else 0.0
+    def ms(n: int) -> float:  # n samples' share of the window, as ms of one step
+        return n / total * step_ms
 
     return {
         "main_thread": main,

@@ -10,15 +10,17 @@ draft+verify step cost about 3 plain decode steps at batch 1.
 :class:`DraftPass` runs that pass over static buffers: a fixed number of batch rows (the batch
 padded with rows of empty context) and a fixed page-table width (a whole ``req_to_token`` row),
 so every shape, the attention's split plan and every host-side bound (the RoPE table length)
-are the same at every step of one batch size. A step only copies its anchors, context lengths
-and ``req_to_token`` row indices into the buffers. :class:`DraftGraphs` captures the pass once
+are the same at every step of one batch size. A step only copies the previous step's accepted
+tokens and their counts (each anchor is worked out inside the pass, :func:`anchors_of`), the
+context lengths and the ``req_to_token`` row indices into the buffers; the pass returns the
+whole verify block, anchors first. :class:`DraftGraphs` captures the pass once
 per batch size and replays the smallest graph that holds a batch; a batch larger than every
 graph, or a server without graphs (CPU, ``--disable-cuda-graph``,
 ``SGL_ATOM_DSPARK_DRAFT_GRAPHS=0``, a capture that failed), drafts eagerly as before.
 
-A padded row has context length 0 and anchor 0: its block attends to its own scratch rows only
-(every batch row of the graph has its own, ``DraftKVPool.scratch_rows``), and its tokens are
-dropped.
+A padded row has context length 0 (its anchor and table row are whatever an earlier step left,
+valid ids): its block attends to its own scratch rows only (every batch row of the graph has its
+own, ``DraftKVPool.scratch_rows``), and its tokens are dropped.
 
 The context write after a verify (the tap projection, per layer the K/V projections, norm, RoPE
 and the pool store: some 15 kernels a layer) has fixed shapes too, ``bs x (k + 1)`` rows of the
