@@ -2,13 +2,15 @@
 ``F.linear`` (what SGLang's bf16 linear layers call) at 64 rows (a plain decode of 64 requests),
 256, 320 (64 requests x k + 1 = 5 verify rows) and 384, beside a Triton GEMM over a few tilings
 at the same rows, and cuBLAS again under other settings torch offers (``--blas``: cuBLASLt as the
-backend, bf16 reduced-precision reductions off). Each call replayed from a CUDA graph, over
+backend, bf16 reduced-precision reductions off) and, with ``--lt-algos N``, each of the first N
+candidate algorithms cuBLASLt's heuristic offers for the shape (``cublaslt_algos.py``), the
+fastest of them against cuBLAS's own pick. Each call replayed from a CUDA graph, over
 enough copies of the weight that none is still in L2 when it is read again; TFLOP/s counts the
 useful products only (2 M N K), so the tile rows a kernel computes past M show as a lower rate.
 A probe: it prints figures, it changes nothing the server runs.
 
     python benchmarks/probe_verify_gemm.py [--rows 64,256,320,384] [--blas cublaslt,no-rr]
-                                           [--no-triton]
+                                           [--no-triton] [--lt-algos 16]
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def main() -> None:
     ap.add_argument("--rows", default="64,256,320,384")
     ap.add_argument("--blas", default="", help=f"comma list of {BLAS_SETTINGS}, each timed too")
     ap.add_argument("--no-triton", action="store_true", help="cuBLAS only")
+    ap.add_argument(
+        "--lt-algos",
+        type=int,
+        default=0,
+        help="time the first N of cuBLASLt's candidate algorithms per shape",
+    )
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     settings = [b for b in args.blas.split(",") if b]
@@ -88,7 +96,8 @@ def main() -> None:
             ap.error(f"--blas: {b!r} is not one of {BLAS_SETTINGS}")
     peak = matmul_rate()
     print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
-    table = []
+    table, lt_table = [], []
+    per_layer: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows}  # cuBLAS, best candidate
     for name, (n, k) in LLAMA3_8B_GEMMS.items():
         # enough weight copies that one replay reads ~256 MB: none stays in L2 for the next call
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -101,6 +110,11 @@ def main() -> None:
             row = [name, m, n, k]
             ms = per_weight_ms(lambda v, x=x: F.linear(x, v), ws)
             row += [f"{ms * 1e3:.1f}", f"{flop / ms / 1e9:.0f}"]
+            if args.lt_algos:
+                lt_ms = lt_candidates(name, x, w, ws, ref, ms, args.lt_algos, lt_table)
+                if name != "lm_head":
+                    per_layer[m][0] += ms
+                    per_layer[m][1] += min(ms, lt_ms)
             for b in settings:
                 blas_setting(b)
                 err = (F.linear(x, w).float() - ref.float()).abs().max().item()
@@ -134,6 +148,51 @@ def main() -> None:
                        + [f"{b} us" for b in settings]
                        + ["Triton us", "Triton TFLOP/s", "Triton tiling (bm,bn,bk,warps,stages)",
                           "cuBLAS/Triton"], table))  # fmt: skip
+    if args.lt_algos:
+        print()
+        print(format_table(["gemm", "rows", "candidates", "F.linear us", "candidate 0 us",
+                            "best candidate us", "best index", "best config", "F.linear/best"],
+                           lt_table))  # fmt: skip
+        for m, (base, best) in per_layer.items():
+            print(
+                f"a target layer (qkv + o + gate/up + down) at {m} rows: F.linear "
+                f"{base * 1e3:.1f} us, fastest cuBLASLt candidate per GEMM {best * 1e3:.1f} us "
+                f"(x{base / best:.3f}), x 32 layers {base * 32:.2f} -> {best * 32:.2f} ms"
+            )
+
+
+def lt_candidates(name, x, w, ws, ref, linear_ms, count, table) -> float:
+    """Times each of cuBLASLt's first ``count`` candidates for x @ w.T (poisoned output, checked
+    against F.linear first); adds a row to ``table``; returns the fastest candidate's ms."""
+    from cublaslt_algos import LtLinear
+
+    m, k = x.shape
+    lt = LtLinear(m, w.shape[0], k, count)
+    y = torch.empty_like(ref)
+    times = []
+    for i in range(len(lt.algos)):
+        y.fill_(float("nan"))
+        lt(x, w, y, i)
+        err = (y.float() - ref.float()).abs().max().item()
+        if not err < 0.05:
+            print(f"  {name} m={m} candidate {i}: max error {err}, skipped")
+            continue
+        times.append((per_weight_ms(lambda v, i=i: lt(x, v, y, i), ws), i))
+    if not times:
+        table.append([name, m, len(lt.algos), f"{linear_ms * 1e3:.1f}", "-", "-", "-", "-", "-"])
+        return linear_ms
+    best_ms, best = min(times)
+    first = dict((i, t) for t, i in times).get(0)
+    table.append([name, m, len(lt.algos), f"{linear_ms * 1e3:.1f}",
+                  "-" if first is None else f"{first * 1e3:.1f}", f"{best_ms * 1e3:.1f}", best,
+                  " ".join(f"{key}={v}" for key, v in lt.config(best).items()),
+                  f"{linear_ms / best_ms:.3f}"])  # fmt: skip
+    print(
+        f"  {name} m={m}: {len(times)} candidates, F.linear {linear_ms * 1e3:.1f} us, "
+        f"best #{best} {best_ms * 1e3:.1f} us",
+        flush=True,
+    )
+    return best_ms
 
 
 if __name__ == "__main__":
