@@ -161,7 +161,16 @@ def main() -> None:
             )
 
 
-def lt_candidates(name, x, w, ws, ref, linear_ms, count, table) -> float:
+def lt_candidates(
+    name: str,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: list[torch.Tensor],
+    ref: torch.Tensor,
+    linear_ms: float,
+    count: int,
+    table: list[list[object]],
+) -> float:
     """Times each of cuBLASLt's first ``count`` candidates for x @ w.T (poisoned output, checked
     against F.linear first); adds a row to ``table``; returns the fastest candidate's ms."""
     from cublaslt_algos import LtLinear
@@ -182,7 +191,7 @@ def lt_candidates(name, x, w, ws, ref, linear_ms, count, table) -> float:
         table.append([name, m, len(lt.algos), f"{linear_ms * 1e3:.1f}", "-", "-", "-", "-", "-"])
         return linear_ms
     best_ms, best = min(times)
-    first = dict((i, t) for t, i in times).get(0)
+    first = next((t for t, i in times if i == 0), None)
     table.append([name, m, len(lt.algos), f"{linear_ms * 1e3:.1f}",
                   "-" if first is None else f"{first * 1e3:.1f}", f"{best_ms * 1e3:.1f}", best,
                   " ".join(f"{key}={v}" for key, v in lt.config(best).items()),
