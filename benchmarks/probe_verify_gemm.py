@@ -1,7 +1,9 @@
 """The target model's GEMMs at a DSpark verify's row counts (Llama-3-8B shapes): cuBLAS through
 ``F.linear`` (what SGLang's bf16 linear layers call) at 64 rows (a plain decode of 64 requests),
 256, 320 (64 requests x k + 1 = 5 verify rows) and 384, beside a Triton GEMM over a few tilings
-at the same rows, and cuBLAS again under other settings torch offers (``--blas``: cuBLASLt as the
+at the same rows (``--persistent`` adds a persistent one: TMA descriptors, one program per SM
+walking the output tiles, so no wave runs part-empty), and cuBLAS again under other settings
+torch offers (``--blas``: cuBLASLt as the
 backend, bf16 reduced-precision reductions off) and, with ``--lt-algos N``, each of the first N
 candidate algorithms cuBLASLt's heuristic offers for the shape (``cublaslt_algos.py``), the
 fastest of them against cuBLAS's own pick. Each call replayed from a CUDA graph, over
@@ -10,7 +12,7 @@ useful products only (2 M N K), so the tile rows a kernel computes past M show a
 A probe: it prints figures, it changes nothing the server runs.
 
     python benchmarks/probe_verify_gemm.py [--rows 64,256,320,384] [--blas cublaslt,no-rr]
-                                           [--no-triton] [--lt-algos 16]
+                                           [--no-triton] [--persistent] [--lt-algos 16]
 """
 
 from __future__ import annotations
@@ -62,6 +64,57 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> 
     _linear_kernel[grid](x, w, y, m, n, k, bm, bn, bk, num_warps=warps, num_stages=stages)
 
 
+# (block_m, block_n, block_k, num_warps, num_stages) of the persistent kernel; smaller tiles than
+# cuBLAS's 128 x 160 leave less of the last pass over the SMs idle
+PERSISTENT_TILINGS = ((64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
+                      (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))  # fmt: skip
+
+
+@triton.jit
+def _persistent_linear_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    # y[M, N] = x[M, K] @ w[N, K]^T through TMA descriptors (rows past M read as zeros and are not
+    # stored); program p takes output tiles p, p + PROGRAMS, ... with the M tiles of one N tile
+    # next to each other, so the weight tile comes from HBM once and from L2 for the others
+    xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                   block_shape=[BLOCK_M, BLOCK_K])  # fmt: skip
+    wd = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                   block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
+    yd = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
+                                   block_shape=[BLOCK_M, BLOCK_N])  # fmt: skip
+    num_m = tl.cdiv(M, BLOCK_M)
+    for t in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), PROGRAMS, flatten=True):
+        pm, pn = t % num_m, t // num_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            a = xd.load([pm * BLOCK_M, kk * BLOCK_K])
+            b = wd.load([pn * BLOCK_N, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        yd.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+
+
+def persistent_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> None:
+    bm, bn, bk, warps, stages = tiling
+    m, k = x.shape
+    n = w.shape[0]
+    programs = min(_sm_count(x.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    _persistent_linear_kernel[(programs,)](x, w, y, m, n, k, bm, bn, bk, programs,
+                                           num_warps=warps, num_stages=stages)  # fmt: skip
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory Triton asks for when a kernel builds TMA descriptors on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 # torch's settings for bf16 F.linear that may change the kernel cuBLAS picks (default: neither)
 BLAS_SETTINGS = ("cublaslt", "no-rr")
 
@@ -82,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rows", default="64,256,320,384")
     ap.add_argument("--blas", default="", help=f"comma list of {BLAS_SETTINGS}, each timed too")
     ap.add_argument("--no-triton", action="store_true", help="cuBLAS only")
+    ap.add_argument("--persistent", action="store_true",
+                    help="time the persistent TMA kernel's tilings too")  # fmt: skip
     ap.add_argument(
         "--lt-algos",
         type=int,
@@ -94,6 +149,10 @@ def main() -> None:
     for b in settings:
         if b not in BLAS_SETTINGS:
             ap.error(f"--blas: {b!r} is not one of {BLAS_SETTINGS}")
+    variants = [] if args.no_triton else [(triton_linear, t) for t in TILINGS]
+    if args.persistent:
+        triton.set_allocator(_descriptor_scratch)
+        variants += [(persistent_linear, t) for t in PERSISTENT_TILINGS]
     peak = matmul_rate()
     print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
     table, lt_table = [], []
@@ -122,15 +181,16 @@ def main() -> None:
                 blas_setting("default")
                 row += [f"{b_ms * 1e3:.1f}" + ("" if err < 0.05 else f" (max error {err:.2g})")]
             best = None
-            for t in () if args.no_triton else TILINGS:
+            for fn, t in variants:
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                t = (fn.__name__, *t)
                 try:
-                    triton_linear(x, w, y, t)
+                    fn(x, w, y, t[1:])
                     err = (y.float() - ref.float()).abs().max().item()
                     if not err < 0.05:
                         print(f"  {name} m={m} tiling {t}: max error {err}, skipped")
                         continue
-                    t_ms = per_weight_ms(lambda v, x=x, y=y, t=t: triton_linear(x, v, y, t), ws)
+                    t_ms = per_weight_ms(lambda v, x=x, y=y, f=fn, t=t: f(x, v, y, t[1:]), ws)
                 except Exception as e:  # a tiling this card cannot compile (shared memory)
                     print(f"  {name} m={m} tiling {t}: {type(e).__name__}: {str(e)[:120]}")
                     continue
@@ -146,8 +206,9 @@ def main() -> None:
     print()
     print(format_table(["gemm", "rows", "N", "K", "cuBLAS us", "cuBLAS TFLOP/s"]
                        + [f"{b} us" for b in settings]
-                       + ["Triton us", "Triton TFLOP/s", "Triton tiling (bm,bn,bk,warps,stages)",
-                          "cuBLAS/Triton"], table))  # fmt: skip
+                       + ["Triton us", "Triton TFLOP/s",
+                          "Triton kernel, tiling (bm,bn,bk,warps,stages)", "cuBLAS/Triton"],
+                       table))  # fmt: skip
     if args.lt_algos:
         print()
         print(format_table(["gemm", "rows", "candidates", "F.linear us", "candidate 0 us",
