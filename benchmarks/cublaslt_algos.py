@@ -45,10 +45,10 @@ def _library() -> ctypes.CDLL:
             path = line.split()[-1]
             if "libcublasLt.so" in os.path.basename(path):
                 return ctypes.CDLL(path)
-    for root in [os.path.dirname(torch.__file__), *torch.__path__]:
-        found = glob.glob(os.path.join(root, "..", "nvidia", "*", "lib", "libcublasLt.so*"))
-        if found:
-            return ctypes.CDLL(sorted(found)[-1])
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    found = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcublasLt.so*"))
+    if found:
+        return ctypes.CDLL(sorted(found)[-1])
     raise RuntimeError("libcublasLt is not loaded by torch and not found beside it")
 
 

@@ -2,14 +2,14 @@
 ``F.linear`` (what SGLang's bf16 linear layers call) at 64 rows (a plain decode of 64 requests),
 256, 320 (64 requests x k + 1 = 5 verify rows) and 384, beside a Triton GEMM over a few tilings
 at the same rows (``--persistent`` adds a persistent one: TMA descriptors, one program per SM
-walking the output tiles, so no wave runs part-empty), and cuBLAS again under other settings
-torch offers (``--blas``: cuBLASLt as the
-backend, bf16 reduced-precision reductions off) and, with ``--lt-algos N``, each of the first N
-candidate algorithms cuBLASLt's heuristic offers for the shape (``cublaslt_algos.py``), the
-fastest of them against cuBLAS's own pick. Each call replayed from a CUDA graph, over
-enough copies of the weight that none is still in L2 when it is read again; TFLOP/s counts the
-useful products only (2 M N K), so the tile rows a kernel computes past M show as a lower rate.
-A probe: it prints figures, it changes nothing the server runs.
+walking output tiles smaller than cuBLAS's, so its last pass over the SMs leaves less idle), and
+cuBLAS again under other settings torch offers (``--blas``: cuBLASLt as the backend, bf16
+reduced-precision reductions off) and, with ``--lt-algos N``, each of the first N candidate
+algorithms cuBLASLt's heuristic offers for the shape (``cublaslt_algos.py``), the fastest of
+them against cuBLAS's own pick. Each call replayed from a CUDA graph, over enough copies of the
+weight that none is still in L2 when it is read again; TFLOP/s counts the useful products only
+(2 M N K), so the tile rows a kernel computes past M show as a lower rate. A probe: it prints
+figures, it changes nothing the server runs.
 
     python benchmarks/probe_verify_gemm.py [--rows 64,256,320,384] [--blas cublaslt,no-rr]
                                            [--no-triton] [--persistent] [--lt-algos 16]
@@ -105,7 +105,7 @@ def persistent_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling)
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
+    if device.type != "cuda":  # the Triton interpreter on CPU: a few programs, several tiles each
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
