@@ -2,7 +2,8 @@
 ``F.linear`` (what SGLang's bf16 linear layers call) at 64 rows (a plain decode of 64 requests),
 256, 320 (64 requests x k + 1 = 5 verify rows) and 384, beside a Triton GEMM over a few tilings
 at the same rows (``--persistent`` adds a persistent one: TMA descriptors, one program per SM
-walking output tiles smaller than cuBLAS's, so its last pass over the SMs leaves less idle), and
+walking output tiles smaller than cuBLAS's, so its last pass over the SMs leaves less idle, and
+each tiling again with that last partial pass split along K over the programs it leaves idle), and
 cuBLAS again under other settings torch offers (``--blas``: cuBLASLt as the backend, bf16
 reduced-precision reductions off) and, with ``--lt-algos N``, each of the first N candidate
 algorithms cuBLASLt's heuristic offers for the shape (``cublaslt_algos.py``), the fastest of
@@ -65,19 +66,25 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> 
 
 
 # (block_m, block_n, block_k, num_warps, num_stages) of the persistent kernel; smaller tiles than
-# cuBLAS's 128 x 160 leave less of the last pass over the SMs idle
-PERSISTENT_TILINGS = ((64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
-                      (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))  # fmt: skip
+# cuBLAS's 128 x 160 leave less of the last pass over the SMs idle. Each is timed as it is and,
+# where the tiles do not fill whole passes, with its last partial pass split along K (below).
+PERSISTENT_TILINGS = ((64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 4, 3),
+                      (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))  # fmt: skip
 
 
 @triton.jit
 def _persistent_linear_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K,
+    x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     # y[M, N] = x[M, K] @ w[N, K]^T through TMA descriptors (rows past M read as zeros and are not
     # stored); program p takes output tiles p, p + PROGRAMS, ... with the M tiles of one N tile
-    # next to each other, so the weight tile comes from HBM once and from L2 for the others
+    # next to each other, so the weight tile comes from HBM once and from L2 for the others.
+    # SPLIT > 1: the tiles of the last partial pass (tiles % PROGRAMS of them) are each cut into
+    # SPLIT slices of K, one slice per program, so that pass is as long as 1 / SPLIT of a tile;
+    # a slice stores its float32 partial, and the tile's last slice to finish (a counter per
+    # tile, reset by it for the next call) adds the SPLIT partials in slice order and stores y.
     xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                    block_shape=[BLOCK_M, BLOCK_K])  # fmt: skip
     wd = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
@@ -85,23 +92,76 @@ def _persistent_linear_kernel(
     yd = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
                                    block_shape=[BLOCK_M, BLOCK_N])  # fmt: skip
     num_m = tl.cdiv(M, BLOCK_M)
-    for t in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), PROGRAMS, flatten=True):
+    tiles = num_m * tl.cdiv(N, BLOCK_N)
+    k_iters = tl.cdiv(K, BLOCK_K)
+    whole = tiles - tiles % PROGRAMS if SPLIT > 1 else tiles
+    pid = tl.program_id(0)
+    for t in tl.range(pid, whole, PROGRAMS, flatten=True):
         pm, pn = t % num_m, t // num_m
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        for kk in range(0, k_iters):
             a = xd.load([pm * BLOCK_M, kk * BLOCK_K])
             b = wd.load([pn * BLOCK_N, kk * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
         yd.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+    if SPLIT > 1:
+        if pid < (tiles - whole) * SPLIT:
+            slot, s = pid // SPLIT, pid % SPLIT
+            t = whole + slot
+            pm, pn = t % num_m, t // num_m
+            per = tl.cdiv(k_iters, SPLIT)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for kk in range(s * per, tl.minimum(s * per + per, k_iters)):
+                a = xd.load([pm * BLOCK_M, kk * BLOCK_K])
+                b = wd.load([pn * BLOCK_N, kk * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            parts = part_ptr + slot * SPLIT * BLOCK_M * BLOCK_N + tile
+            tl.store(parts + s * BLOCK_M * BLOCK_N, acc)
+            tl.debug_barrier()  # every thread's partial stored before the counter moves
+            if tl.atomic_add(count_ptr + slot, 1, sem="acq_rel") == SPLIT - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for j in range(SPLIT):
+                    acc += tl.load(parts + j * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+                yd.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+                tl.atomic_xchg(count_ptr + slot, 0)
+
+
+def tail_split(tiles: int, programs: int) -> int:
+    """How many K slices each tile of the last partial pass is cut into (1: none): as many as
+    fit the programs that pass would otherwise leave idle."""
+    tail = tiles % programs if tiles > programs else tiles
+    return max(1, programs // tail) if tail else 1
+
+
+def persistent_split(m: int, n: int, tiling, device: torch.device) -> int:
+    """The K slices ``persistent_linear`` cuts each tile of its last partial pass into."""
+    bm, bn, *_, split_tail = tiling
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return tail_split(tiles, _sm_count(device)) if split_tail else 1
+
+
+_split_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def persistent_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> None:
-    bm, bn, bk, warps, stages = tiling
+    """``tiling``: (block_m, block_n, block_k, num_warps, num_stages, split_tail)."""
+    bm, bn, bk, warps, stages, split_tail = tiling
     m, k = x.shape
     n = w.shape[0]
-    programs = min(_sm_count(x.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    _persistent_linear_kernel[(programs,)](x, w, y, m, n, k, bm, bn, bk, programs,
-                                           num_warps=warps, num_stages=stages)  # fmt: skip
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = persistent_split(m, n, tiling, x.device)
+    programs = _sm_count(x.device) if split > 1 else min(_sm_count(x.device), tiles)
+    key = (m, n, bm, bn, split, x.device)
+    if key not in _split_scratch:  # partials and counters (zero; every call leaves them zero)
+        slots = max(1, tiles % programs if tiles > programs else tiles)
+        _split_scratch[key] = (
+            torch.empty(slots * split * bm * bn, dtype=torch.float32, device=x.device),
+            torch.zeros(slots, dtype=torch.int32, device=x.device),
+        )
+    parts, counts = _split_scratch[key]
+    _persistent_linear_kernel[(programs,)](x, w, y, parts, counts, m, n, k, bm, bn, bk, programs,
+                                           split, num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def _sm_count(device: torch.device) -> int:
@@ -152,7 +212,8 @@ def main() -> None:
     variants = [] if args.no_triton else [(triton_linear, t) for t in TILINGS]
     if args.persistent:
         triton.set_allocator(_descriptor_scratch)
-        variants += [(persistent_linear, t) for t in PERSISTENT_TILINGS]
+        variants += [(persistent_linear, (*t, split)) for t in PERSISTENT_TILINGS
+                     for split in (False, True)]  # fmt: skip
     peak = matmul_rate()
     print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
     table, lt_table = [], []
@@ -183,6 +244,11 @@ def main() -> None:
             best = None
             for fn, t in variants:
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                if fn is persistent_linear and t[-1]:
+                    split = persistent_split(m, n, t, x.device)
+                    if split == 1:  # whole passes, or too few idle programs: timed unsplit
+                        continue
+                    t = (*t[:-1], f"split {split}")
                 t = (fn.__name__, *t)
                 try:
                     fn(x, w, y, t[1:])
