@@ -69,7 +69,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling) -> 
 # cuBLAS's 128 x 160 leave less of the last pass over the SMs idle. Each is timed as it is and,
 # where the tiles do not fill whole passes, with its last partial pass split along K (below).
 PERSISTENT_TILINGS = ((64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 4, 3),
-                      (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))  # fmt: skip
+                      (64, 256, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
+                      (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4))  # fmt: skip
 
 
 @triton.jit
@@ -261,6 +262,7 @@ def main() -> None:
                 except Exception as e:  # a tiling this card cannot compile (shared memory)
                     print(f"  {name} m={m} tiling {t}: {type(e).__name__}: {str(e)[:120]}")
                     continue
+                print(f"  {name} m={m} {t}: {t_ms * 1e3:.1f} us", flush=True)
                 if best is None or t_ms < best[0]:
                     best = (t_ms, t)
             if best:
