@@ -128,10 +128,16 @@ def _persistent_linear_kernel(
                 tl.atomic_xchg(count_ptr + slot, 0)
 
 
+def last_pass(tiles: int, programs: int) -> int:
+    """How many tiles the last pass of ``programs`` programs over ``tiles`` tiles holds (0: the
+    last of several passes is whole)."""
+    return tiles % programs if tiles > programs else tiles
+
+
 def tail_split(tiles: int, programs: int) -> int:
     """How many K slices each tile of the last partial pass is cut into (1: none): as many as
     fit the programs that pass would otherwise leave idle."""
-    tail = tiles % programs if tiles > programs else tiles
+    tail = last_pass(tiles, programs)
     return max(1, programs // tail) if tail else 1
 
 
@@ -155,7 +161,7 @@ def persistent_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tiling)
     programs = _sm_count(x.device) if split > 1 else min(_sm_count(x.device), tiles)
     key = (m, n, bm, bn, split, x.device)
     if key not in _split_scratch:  # partials and counters (zero; every call leaves them zero)
-        slots = max(1, tiles % programs if tiles > programs else tiles)
+        slots = max(1, last_pass(tiles, programs))
         _split_scratch[key] = (
             torch.empty(slots * split * bm * bn, dtype=torch.float32, device=x.device),
             torch.zeros(slots, dtype=torch.int32, device=x.device),
