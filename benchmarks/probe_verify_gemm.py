@@ -74,6 +74,18 @@ PERSISTENT_TILINGS = ((64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 4
 
 
 @triton.jit
+def _tile_dot(xd, wd, pm, pn, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    # one output tile's products over K blocks [k_lo, k_hi), float32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kk in range(k_lo, k_hi):
+        a = xd.load([pm * BLOCK_M, kk * BLOCK_K])
+        b = wd.load([pn * BLOCK_N, kk * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
 def _persistent_linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
@@ -99,11 +111,7 @@ def _persistent_linear_kernel(
     pid = tl.program_id(0)
     for t in tl.range(pid, whole, PROGRAMS, flatten=True):
         pm, pn = t % num_m, t // num_m
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for kk in range(0, k_iters):
-            a = xd.load([pm * BLOCK_M, kk * BLOCK_K])
-            b = wd.load([pn * BLOCK_N, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+        acc = _tile_dot(xd, wd, pm, pn, 0, k_iters, BLOCK_M, BLOCK_N, BLOCK_K)
         yd.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
     if SPLIT > 1:
         if pid < (tiles - whole) * SPLIT:
@@ -111,11 +119,8 @@ def _persistent_linear_kernel(
             t = whole + slot
             pm, pn = t % num_m, t // num_m
             per = tl.cdiv(k_iters, SPLIT)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for kk in range(s * per, tl.minimum(s * per + per, k_iters)):
-                a = xd.load([pm * BLOCK_M, kk * BLOCK_K])
-                b = wd.load([pn * BLOCK_N, kk * BLOCK_K])
-                acc = tl.dot(a, b.T, acc)
+            acc = _tile_dot(xd, wd, pm, pn, s * per, tl.minimum(s * per + per, k_iters),
+                            BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             parts = part_ptr + slot * SPLIT * BLOCK_M * BLOCK_N + tile
             tl.store(parts + s * BLOCK_M * BLOCK_N, acc)
@@ -224,8 +229,14 @@ def main() -> None:
     peak = matmul_rate()
     print(f"{device_name()}: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
     table, lt_table = [], []
-    per_layer: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows}  # cuBLAS, best candidate
-    triton_layer: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows}  # cuBLAS, faster of two
+    # per row count: a target layer's four GEMMs (qkv, o, gate/up, down) summed, ms, by what
+    # ran each one; "cuBLAS" first, then each alternative taken where it is faster
+    layer_ms: dict[int, dict[str, float]] = {m: {} for m in rows}
+
+    def add_layer(m: int, name: str, what: str, ms: float) -> None:
+        if name != "lm_head":
+            layer_ms[m][what] = layer_ms[m].get(what, 0.0) + ms
+
     for name, (n, k) in LLAMA3_8B_GEMMS.items():
         # enough weight copies that one replay reads ~256 MB: none stays in L2 for the next call
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -238,11 +249,10 @@ def main() -> None:
             row = [name, m, n, k]
             ms = per_weight_ms(lambda v, x=x: F.linear(x, v), ws)
             row += [f"{ms * 1e3:.1f}", f"{flop / ms / 1e9:.0f}"]
+            add_layer(m, name, "cuBLAS", ms)
             if args.lt_algos:
                 lt_ms = lt_candidates(name, x, w, ws, ref, ms, args.lt_algos, lt_table)
-                if name != "lm_head":
-                    per_layer[m][0] += ms
-                    per_layer[m][1] += min(ms, lt_ms)
+                add_layer(m, name, "the fastest cuBLASLt candidate per GEMM", min(ms, lt_ms))
             for b in settings:
                 blas_setting(b)
                 err = (F.linear(x, w).float() - ref.float()).abs().max().item()
@@ -276,9 +286,9 @@ def main() -> None:
                         f"{ms / best[0]:.2f}"]  # fmt: skip
             else:
                 row += ["-"] * 4
-            if name != "lm_head":
-                triton_layer[m][0] += ms
-                triton_layer[m][1] += min(ms, best[0]) if best else ms
+            if variants:
+                add_layer(m, name, "the faster of cuBLAS and the best Triton kernel per GEMM",
+                          min(ms, best[0]) if best else ms)  # fmt: skip
             table.append(row)
             print(" | ".join(str(c) for c in row), flush=True)
     print()
@@ -287,22 +297,18 @@ def main() -> None:
                        + ["Triton us", "Triton TFLOP/s",
                           "Triton kernel, tiling (bm,bn,bk,warps,stages)", "cuBLAS/Triton"],
                        table))  # fmt: skip
-    for m, (base, best) in triton_layer.items() if variants else ():
-        print(
-            f"a target layer (qkv + o + gate/up + down) at {m} rows: cuBLAS {base * 1e3:.1f} us, "
-            f"the faster of cuBLAS and the best Triton kernel per GEMM {best * 1e3:.1f} us "
-            f"(x{base / best:.3f}), x 32 layers {base * 32:.2f} -> {best * 32:.2f} ms"
-        )
     if args.lt_algos:
         print()
         print(format_table(["gemm", "rows", "candidates", "F.linear us", "candidate 0 us",
                             "best candidate us", "best index", "best config", "F.linear/best"],
                            lt_table))  # fmt: skip
-        for m, (base, best) in per_layer.items():
+    for m, sums in layer_ms.items():
+        base = sums.pop("cuBLAS")
+        for what, best in sums.items():
             print(
-                f"a target layer (qkv + o + gate/up + down) at {m} rows: F.linear "
-                f"{base * 1e3:.1f} us, fastest cuBLASLt candidate per GEMM {best * 1e3:.1f} us "
-                f"(x{base / best:.3f}), x 32 layers {base * 32:.2f} -> {best * 32:.2f} ms"
+                f"a target layer (qkv + o + gate/up + down) at {m} rows: cuBLAS (F.linear) "
+                f"{base * 1e3:.1f} us, {what} {best * 1e3:.1f} us (x{base / best:.3f}), "
+                f"x 32 layers {base * 32:.2f} -> {best * 32:.2f} ms"
             )
 
 
