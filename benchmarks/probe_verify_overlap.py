@@ -39,7 +39,6 @@ pa = import_kernels("paged_attention")
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 HIDDEN = 4096
-INTER = 14336
 GRAPH_CONTEXT = 32768  # the server plans a captured graph's splits for its context bound
 DEVICE = "cuda"
 
@@ -67,7 +66,7 @@ class Half:
     """A micro-batch's slice of the requests and its own buffers (so two can run at once)."""
 
     def __init__(self, layers: list[Layer], lo: int, hi: int, rows: int, waves: float) -> None:
-        self.lo, self.hi, self.rows = lo, hi, rows
+        self.rows = rows
         n = (hi - lo) * rows
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.splits = pa.decode_num_splits(hi - lo, HKV, GRAPH_CONTEXT, sms, waves)
@@ -137,17 +136,12 @@ def two_streams(xs, layers, halves, streams, tuning, ordered: bool):
     return outs
 
 
-def verify_tuning() -> dict:
+def committed_tuning(section: str) -> dict:
+    """The bf16 tiling the atom backend launches on this device for ``section`` ("decode" or
+    "verify"), from its committed tuning file, as kernel keyword arguments."""
     from sgl_atom.attention import decode_tuning as dt
 
-    tuning, _ = dt.load("bf16", torch.cuda.get_device_name(0), section="verify")
-    return tuning.kernel_kwargs()
-
-
-def decode_tuning() -> dict:
-    from sgl_atom.attention import decode_tuning as dt
-
-    tuning, _ = dt.load("bf16", torch.cuda.get_device_name(0))
+    tuning, _ = dt.load("bf16", torch.cuda.get_device_name(0), section=section)
     return tuning.kernel_kwargs()
 
 
@@ -164,7 +158,7 @@ def main() -> None:
     b, r, nl = args.batch, args.rows, args.layers
     print(f"{device_name()}: {nl} layers, {b} x {args.context}, {r} verify rows", flush=True)
     layers = [Layer(b, args.context, seed) for seed in range(nl)]
-    vt, dt_ = verify_tuning(), decode_tuning()
+    vt, dt_ = committed_tuning("verify"), committed_tuning("decode")
     g = torch.Generator(device=DEVICE).manual_seed(1234)
     x = torch.randn(b * r, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=g)
     x1 = x[::r].contiguous()
