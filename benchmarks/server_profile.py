@@ -10,7 +10,9 @@ rank. :func:`analyze` reads the trace and splits the recorded span into:
   running across it (what the GPU waited for: scheduler work, a synchronising copy, a
   launch);
 * kernels by name: total time per step and launches per step (the costliest 40, the rest
-  summed in one row).
+  summed in one row). A name launched with several shapes (grid, block, shared memory, as the
+  trace's kernel events record them) gets one row per shape, so that one kernel serving two
+  callers (the target's verify and the draft's block attention, say) is split between them.
 
 The step count is the profiled one where known, else the CUDA graph launches divided by
 ``graphs_per_step`` (1 for a plain decode, 2 for ATOM_DSPARK: the draft's graph and the
@@ -75,8 +77,14 @@ def analyze(
     gaps = [(b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:], strict=False)]
     gaps.sort(reverse=True)
     by_name: dict[str, list[float]] = defaultdict(list)
+    shapes: dict[str, set[str]] = defaultdict(set)
     for e in gpu:
-        by_name[e["name"]].append(e["dur"])
+        shapes[e["name"]].add(_launch_shape(e))
+    for e in gpu:
+        name = e["name"]
+        if len(shapes[name]) > 1:
+            name = f"{name} [{_launch_shape(e)}]"
+        by_name[name].append(e["dur"])
     kernels = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     span = (t1 - t0) / 1e3
     busy_ms = sum(b - a for a, b in busy) / 1e3
@@ -107,6 +115,19 @@ def analyze(
     }
 
 
+def _launch_shape(event: dict) -> str:
+    """A kernel event's launch shape as the trace records it ("grid 512x1x1, block 128x1x1,
+    smem 49152"), or "" where it records none (copies, memsets)."""
+    args = event.get("args") or {}
+    parts = []
+    for key, label in (("grid", "grid"), ("block", "block")):
+        if isinstance(args.get(key), list):
+            parts.append(f"{label} {'x'.join(str(v) for v in args[key])}")
+    if "shared memory" in args:
+        parts.append(f"smem {args['shared memory']}")
+    return ", ".join(parts)
+
+
 def _host_ops_across(host: list[dict], start: float, end: float, most: int = 4) -> list[str]:
     """The host operations overlapping [start, end], innermost (shortest) first."""
     over = [e for e in host if e["ts"] < end and e["ts"] + e["dur"] > start]
@@ -135,7 +156,11 @@ def report(label: str, a: dict) -> str:
         "|---|---|---|",
     ]
     for k in a["kernels"]:
-        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        name = k["name"]
+        if len(name) > 90:  # the launch shape, when named, is kept whole
+            head, sep, shape = name.partition(" [")
+            keep = max(20, 90 - len(sep + shape))
+            name = (head if len(head) <= keep else head[: keep - 3] + "...") + sep + shape
         lines.append(f"| `{name}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:.1f} |")
     rest = a.get("other_kernels") or {}
     if rest.get("names"):

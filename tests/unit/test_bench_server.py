@@ -289,6 +289,46 @@ def test_profile_analysis_splits_the_span_into_kernels_busy_and_idle_gaps(tmp_pa
     assert prof.analyze(cpu_only)["steps"] == 0
 
 
+def test_profile_splits_one_kernel_name_by_launch_shape():
+    """A kernel launched with two shapes (the target's verify and the draft's block attention
+    both run decode_fwd_kernel) gets a row per shape; a name with one shape keeps its bare name;
+    copies, which record no shape, stay one row."""
+    import server_profile as prof
+
+    rng = random.Random()
+    steps = rng.randint(2, 5)
+    verify = dict(grid=[512, 1, rng.randint(1, 4)], block=[128, 1, 1], **{"shared memory": 40960})
+    draft = dict(grid=[512, 1, 1], block=[128, 1, 1], **{"shared memory": 65536})
+    gemm = dict(grid=[132, 1, 1], block=[384, 1, 1], **{"shared memory": 200000})
+    want: dict[str, float] = {}
+    events, t = [], 0.0
+    for _ in range(steps):
+        for name, args, n in (("attn", verify, 32), ("attn", draft, 2), ("gemm", gemm, 3)):
+            for _ in range(n):
+                dur = rng.uniform(5, 300)
+                events.append(dict(ph="X", cat="kernel", name=name, ts=t, dur=dur, args=args))
+                key = name if name == "gemm" else f"attn [{prof._launch_shape(dict(args=args))}]"
+                want[key] = want.get(key, 0.0) + dur / 1e3 / steps
+                t += dur
+        events.append(dict(ph="X", cat="gpu_memcpy", name="Memcpy DtoD", ts=t, dur=4.0))
+        want["Memcpy DtoD"] = want.get("Memcpy DtoD", 0.0) + 0.004 / steps
+        t += 50.0
+    a = prof.analyze(events, steps=steps)
+    got = {k["name"]: k["ms_per_step"] for k in a["kernels"]}
+    assert got == pytest.approx(want)
+    g = "x".join(str(v) for v in verify["grid"])
+    assert f"attn [grid {g}, block 128x1x1, smem 40960]" in got
+    assert {k["name"]: k["launches_per_step"] for k in a["kernels"]}[
+        "attn [grid 512x1x1, block 128x1x1, smem 65536]"
+    ] == pytest.approx(2)
+    # a long name is cut before its shape, never inside it
+    long = dict(a, kernels=[dict(name="k" * 120 + " [grid 1x1x1, smem 0]", ms_per_step=1.0,
+                                 launches_per_step=1.0)])  # fmt: skip
+    line = [ln for ln in prof.report("x", long).splitlines() if ln.startswith("| `k")][0]
+    assert line.startswith("| `" + "k" * 20)
+    assert "... [grid 1x1x1, smem 0]`" in line
+
+
 def test_chain_rows_table_and_prompts(tmp_path):
     import server_dspark as dspark
 
