@@ -17,6 +17,14 @@ so nothing is read from L2 that a server would read from HBM):
 - ``free``: the halves on two streams without that ordering (the hardware interleaves them);
 - ``plain``: a decode layer of the 64 requests (64 rows, the decode attention), the step base.
 
+With ``--kernels`` it also times each side of a layer alone, on one stream: the attention of
+the layers (``verify attention`` / ``decode attention``, q precomputed) and the rest
+(``verify GEMMs`` / ``decode GEMMs``: the GEMMs and elementwise work), and lists the kernels of
+the ``plain`` and ``serial`` graphs under torch's profiler, per kernel and launch shape
+(``server_profile.py``'s grouping). Whether the verify attention takes longer beside the
+320-row GEMMs than alone (a DSpark step in the server spends more in attention than the kernels
+alone predict) shows there. ``--waves ''`` skips the two-stream variants.
+
 The split-KV attention of a half is planned at ``--waves`` programs per SM (2 is the server's:
 each half alone fills the GPU; lower leaves SMs to the GEMMs beside it). Per-layer times are
 scaled to 32 layers, and each variant's layer is put in a step as the server's measured ratio
@@ -104,6 +112,51 @@ def one_stream(x: torch.Tensor, layers: list[Layer], half: Half, tuning: dict) -
     return x
 
 
+def attention_side(layers: list[Layer], half: Half, qkvs: list[torch.Tensor], tuning: dict):
+    """The layers' attention alone (their q from ``qkvs``, computed before)."""
+    for i, layer in enumerate(layers):
+        half.attention(i, layer, qkvs[i], tuning)
+    return half.attn
+
+
+def gemm_side(x: torch.Tensor, layers: list[Layer], half: Half) -> torch.Tensor:
+    """The layers without their attention: qkv, then o to down over ``half.attn`` as it is."""
+    for layer in layers:
+        qkv_of(x, layer)
+        x = after_attention(x, half.attn, layer)
+    return x
+
+
+def kernel_rows(fn, label: str, layers: int, replays: int = 5) -> list[list[object]]:
+    """``fn`` captured in one CUDA graph and replayed under torch's profiler: per kernel and
+    launch shape, us per layer and launches per layer."""
+    import tempfile
+    from pathlib import Path
+
+    import server_profile
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        a = server_profile.analyze(server_profile.load(path), steps=replays * layers)
+    if not a.get("steps"):
+        return [[label, "no kernel recorded", "-", "-"]]
+    rows = [[label, k["name"][:110], k["ms_per_step"] * 1e3, k["launches_per_step"]]
+            for k in a["kernels"]]  # fmt: skip
+    return rows + [[label, "GPU busy", a["gpu_busy_ms_per_step"] * 1e3, "-"]]
+
+
 def two_streams(xs, layers, halves, streams, tuning, ordered: bool):
     """Each half's layers on its own stream, forked from and joined to the current one; when
     ``ordered``, half b's attention of layer i waits for half a's, and half a's attention of
@@ -154,6 +207,11 @@ def main() -> None:
     ap.add_argument("--waves", default="2,1", help="split plans of a half's attention")
     ap.add_argument("--step-ratio", type=float, default=1.48)
     ap.add_argument("--plain-step-ms", type=float, default=12.71)
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also each side of a layer alone, and the plain and serial graphs' kernels",
+    )
     args = ap.parse_args()
     b, r, nl = args.batch, args.rows, args.layers
     print(f"{device_name()}: {nl} layers, {b} x {args.context}, {r} verify rows", flush=True)
@@ -173,7 +231,17 @@ def main() -> None:
         "plain": time_ms(lambda: one_stream(x1, layers, plain, dt_)),
         "serial": time_ms(lambda: one_stream(x, layers, full, vt)),
     }
-    for waves in (float(w) for w in args.waves.split(",")):
+    kernels = []
+    if args.kernels:
+        qkv_full = [qkv_of(x, layer) for layer in layers]
+        qkv_plain = [qkv_of(x1, layer) for layer in layers]
+        times["verify attention"] = time_ms(lambda: attention_side(layers, full, qkv_full, vt))
+        times["decode attention"] = time_ms(lambda: attention_side(layers, plain, qkv_plain, dt_))
+        times["verify GEMMs"] = time_ms(lambda: gemm_side(x, layers, full))
+        times["decode GEMMs"] = time_ms(lambda: gemm_side(x1, layers, plain))
+        kernels += kernel_rows(lambda: one_stream(x1, layers, plain, dt_), "plain", nl)
+        kernels += kernel_rows(lambda: one_stream(x, layers, full, vt), "serial", nl)
+    for waves in (float(w) for w in args.waves.split(",") if w):
         halves = (Half(layers, 0, b // 2, r, waves), Half(layers, b // 2, b, r, waves))
         split = [one_stream(xh, layers, h, vt) for xh, h in zip(xs, halves, strict=True)]
         tag = f"waves {waves:g}"
@@ -203,13 +271,18 @@ def main() -> None:
     rows = []
     for name, ms in times.items():
         per = ms / nl
-        step = args.step_ratio + 32 * (per - serial) / args.plain_step_ms
-        rows.append(
-            [name, per * 1e3, per * 32, (per - serial) * 32, step if name != "plain" else "-"]
-        )
+        if name == "plain" or name.endswith(("attention", "GEMMs")):  # not a verify layer
+            rows.append([name, per * 1e3, per * 32, "-", "-"])
+        else:
+            step = args.step_ratio + 32 * (per - serial) / args.plain_step_ms
+            rows.append([name, per * 1e3, per * 32, (per - serial) * 32, step])
         print(f"{name}: {per * 1e3:.1f} us per layer", flush=True)
     print(format_table(["variant", "us / layer", "ms / 32 layers", "vs serial, ms / step",
                         f"step vs plain (from x{args.step_ratio:g})"], rows))  # fmt: skip
+    if kernels:
+        print()
+        print(format_table(["graph", "kernel [launch shape]", "us / layer", "launches / layer"],
+                           kernels))  # fmt: skip
 
 
 if __name__ == "__main__":
