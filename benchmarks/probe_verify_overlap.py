@@ -105,9 +105,15 @@ def after_attention(x: torch.Tensor, attn: torch.Tensor, layer: Layer) -> torch.
     return x + F.linear(F.silu(gate) * up, layer.w["down"])
 
 
-def one_stream(x: torch.Tensor, layers: list[Layer], half: Half, tuning: dict) -> torch.Tensor:
+def one_stream(
+    x: torch.Tensor, layers: list[Layer], half: Half, tuning: dict | None
+) -> torch.Tensor:
+    """The layers on the current stream; ``tuning`` None: without their attention (the GEMM
+    side alone, o to down over ``half.attn`` as it is)."""
     for i, layer in enumerate(layers):
-        half.attention(i, layer, qkv_of(x, layer), tuning)
+        qkv = qkv_of(x, layer)
+        if tuning is not None:
+            half.attention(i, layer, qkv, tuning)
         x = after_attention(x, half.attn, layer)
     return x
 
@@ -117,14 +123,6 @@ def attention_side(layers: list[Layer], half: Half, qkvs: list[torch.Tensor], tu
     for i, layer in enumerate(layers):
         half.attention(i, layer, qkvs[i], tuning)
     return half.attn
-
-
-def gemm_side(x: torch.Tensor, layers: list[Layer], half: Half) -> torch.Tensor:
-    """The layers without their attention: qkv, then o to down over ``half.attn`` as it is."""
-    for layer in layers:
-        qkv_of(x, layer)
-        x = after_attention(x, half.attn, layer)
-    return x
 
 
 def kernel_rows(fn, label: str, layers: int, replays: int = 5) -> list[list[object]]:
@@ -152,8 +150,8 @@ def kernel_rows(fn, label: str, layers: int, replays: int = 5) -> list[list[obje
         a = server_profile.analyze(server_profile.load(path), steps=replays * layers)
     if not a.get("steps"):
         return [[label, "no kernel recorded", "-", "-"]]
-    rows = [[label, k["name"][:110], k["ms_per_step"] * 1e3, k["launches_per_step"]]
-            for k in a["kernels"]]  # fmt: skip
+    rows = [[label, server_profile.short_name(k["name"], 110), k["ms_per_step"] * 1e3,
+             k["launches_per_step"]] for k in a["kernels"]]  # fmt: skip
     return rows + [[label, "GPU busy", a["gpu_busy_ms_per_step"] * 1e3, "-"]]
 
 
@@ -237,8 +235,8 @@ def main() -> None:
         qkv_plain = [qkv_of(x1, layer) for layer in layers]
         times["verify attention"] = time_ms(lambda: attention_side(layers, full, qkv_full, vt))
         times["decode attention"] = time_ms(lambda: attention_side(layers, plain, qkv_plain, dt_))
-        times["verify GEMMs"] = time_ms(lambda: gemm_side(x, layers, full))
-        times["decode GEMMs"] = time_ms(lambda: gemm_side(x1, layers, plain))
+        times["verify GEMMs"] = time_ms(lambda: one_stream(x, layers, full, None))
+        times["decode GEMMs"] = time_ms(lambda: one_stream(x1, layers, plain, None))
         kernels += kernel_rows(lambda: one_stream(x1, layers, plain, dt_), "plain", nl)
         kernels += kernel_rows(lambda: one_stream(x, layers, full, vt), "serial", nl)
     for waves in (float(w) for w in args.waves.split(",") if w):

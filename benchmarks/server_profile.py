@@ -78,12 +78,11 @@ def analyze(
     gaps.sort(reverse=True)
     by_name: dict[str, list[float]] = defaultdict(list)
     shapes: dict[str, set[str]] = defaultdict(set)
-    for e in gpu:
-        shapes[e["name"]].add(_launch_shape(e))
-    for e in gpu:
-        name = e["name"]
-        if len(shapes[name]) > 1:
-            name = f"{name} [{_launch_shape(e)}]"
+    shaped = [(e, _launch_shape(e)) for e in gpu]
+    for e, shape in shaped:
+        shapes[e["name"]].add(shape)
+    for e, shape in shaped:
+        name = e["name"] if len(shapes[e["name"]]) == 1 else f"{e['name']} [{shape}]"
         by_name[name].append(e["dur"])
     kernels = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     span = (t1 - t0) / 1e3
@@ -128,6 +127,16 @@ def _launch_shape(event: dict) -> str:
     return ", ".join(parts)
 
 
+def short_name(name: str, width: int = 90) -> str:
+    """``name`` cut to ``width`` characters for a table, its launch shape (``" [...]"``), when
+    named, kept whole."""
+    if len(name) <= width:
+        return name
+    head, sep, shape = name.partition(" [")
+    keep = max(20, width - len(sep + shape))
+    return (head if len(head) <= keep else head[: keep - 3] + "...") + sep + shape
+
+
 def _host_ops_across(host: list[dict], start: float, end: float, most: int = 4) -> list[str]:
     """The host operations overlapping [start, end], innermost (shortest) first."""
     over = [e for e in host if e["ts"] < end and e["ts"] + e["dur"] > start]
@@ -156,11 +165,7 @@ def report(label: str, a: dict) -> str:
         "|---|---|---|",
     ]
     for k in a["kernels"]:
-        name = k["name"]
-        if len(name) > 90:  # the launch shape, when named, is kept whole
-            head, sep, shape = name.partition(" [")
-            keep = max(20, 90 - len(sep + shape))
-            name = (head if len(head) <= keep else head[: keep - 3] + "...") + sep + shape
+        name = short_name(k["name"])
         lines.append(f"| `{name}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:.1f} |")
     rest = a.get("other_kernels") or {}
     if rest.get("names"):
