@@ -141,6 +141,10 @@ BACKENDS: dict[str, tuple[str, str, list[str]]] = {
 # draft's attention backend where SGLang's DSpark draft cannot run on the target's: None, the
 # target's). On "atom" the target verifies through the atom backend and the plain rows are the
 # run's atom bf16 ones; SGLang's draft runs on its own Triton backend.
+# --spec-target-weights: the 8B target's GEMM weights in the --spec rows (fp8: SGLang's own fp8
+# linear method, quantized as the dummy weights load; embedding and LM head stay bf16)
+TARGET_WEIGHT_FLAGS: dict[str, list[str]] = {"bf16": [], "fp8": ["--quantization", "fp8"]}
+
 SGLANG_SPEC_TARGETS: dict[str, tuple[str, str | None]] = {
     "triton": ("triton", None),
     "atom": ("atom-bf16", "triton"),
@@ -199,14 +203,16 @@ def write_model(name: str, root: Path) -> Path:
     return path
 
 
-def weight_bytes_per_step(shape: dict) -> float:
-    """bf16 weight bytes read by one decode step (all layers and the LM head; the embedding is
-    gathered, a few rows only)."""
+def weight_bytes_per_step(shape: dict, weights: str = "bf16") -> float:
+    """Weight bytes read by one decode step: all layers and the LM head (the embedding is
+    gathered, a few rows only). ``weights`` "fp8" (``--quantization fp8``): the layers' GEMM
+    weights one byte each, the LM head still bf16."""
     h, i, L = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     d = h // shape["num_attention_heads"]
     attn = h * d * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
     mlp = 3 * h * i
-    return 2.0 * (L * (attn + mlp) + h * shape["vocab_size"])
+    layer_bytes = 1.0 if weights == "fp8" else 2.0
+    return layer_bytes * L * (attn + mlp) + 2.0 * h * shape["vocab_size"]
 
 
 def kv_bytes_per_token(shape: dict, kv: str) -> float:
@@ -215,10 +221,11 @@ def kv_bytes_per_token(shape: dict, kv: str) -> float:
     return 2.0 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * per_head
 
 
-def byte_limit(shape: dict, kv: str, batch: int, prompt: int, output: int, gbps: float) -> float:
-    step_bytes = weight_bytes_per_step(shape) + batch * (prompt + output / 2) * kv_bytes_per_token(
-        shape, kv
-    )
+def byte_limit(
+    shape: dict, kv: str, batch: int, prompt: int, output: int, gbps: float, weights: str = "bf16"
+) -> float:
+    kv_bytes = batch * (prompt + output / 2) * kv_bytes_per_token(shape, kv)
+    step_bytes = weight_bytes_per_step(shape, weights) + kv_bytes
     return batch / (step_bytes / (gbps * 1e9))
 
 
@@ -459,7 +466,12 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, e
         output,
         decode_tok_s=round(rate or client, 1),
         ttft_s=round(ttft, 3),
-        byte_limit_tok_s=round(byte_limit(MODELS[model], kv, batch, prompt, output, gbps), 1),
+        byte_limit_tok_s=round(
+            byte_limit(
+                MODELS[model], kv, batch, prompt, output, gbps, (extra or {}).get("weights", "bf16")
+            ),
+            1,
+        ),
         run=run_id,
         decode_tok_s_client=round(client, 1),
         log_samples=n,
@@ -492,6 +504,8 @@ def run_spec_workload(
         print(f"[bench_server] WARNING: accept len {accept:.2f}, forced {forced + 1}", flush=True)
     extra = dict(spec=spec, block=block, forced_accept=forced, draft_kv=draft_kv)
     extra |= dict(overlap=overlap, accept_len=round(accept, 2))
+    if "weights" in plain.extra:  # the target's, as its plain decode was served
+        extra["weights"] = plain.extra["weights"]
     # a server that ran fewer of the batch at once: its step is timed over those (the SGLang
     # log's lines with them running), the plain step over the whole batch
     share = running / plain.batch
@@ -609,20 +623,24 @@ def bench_server(model, name, workloads, output, gbps, run_id, root, logs) -> li
 
 def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft_kvs, cpu,
                save=lambda rows: None, serial=False, overlaps=("on",), sglang=(),
-               atom_rows=True):  # fmt: skip
+               atom_rows=True, target_weights="bf16"):  # fmt: skip
     """The plain atom bf16 decode of ``model`` (with ``serial``, once more without overlap
     scheduling), then ATOM_DSPARK with a random draft of real shape per (block k, forced N),
     draft KV dtype and overlap mode (``overlaps``: "on", SGLang's default, and/or "off"), each
     server after the other; then, per target backend of ``sglang`` (``SGLANG_SPEC_TARGETS``),
     SGLang's own DSpark worker on the same draft weights (:func:`bench_sglang_spec`). Without
     ``atom_rows`` no ATOM_DSPARK server runs, and the plain atom one only where an SGLang
-    target is atom. ``save`` gets the rows so far after each server."""
+    target is atom. ``target_weights`` "fp8": every server's target with ``--quantization fp8``
+    (its rows and server names say so; the draft stays as ``draft_kvs`` asks). ``save`` gets the
+    rows so far after each server."""
     path = write_model(model, root)
     drafts = dspark.write_drafts(model, MODELS[model], [k for k, _ in blocks], root, 32768)
     env = CPU_ENV if cpu else {}
     interval = 1 if cpu else 4  # a spec step makes k+1 tokens: log often enough to sample it
     warm = min(1024, max(p for _, p in workloads))
-    base = BACKENDS["atom-bf16"][2]
+    base = BACKENDS["atom-bf16"][2] + TARGET_WEIGHT_FLAGS[target_weights]
+    tw = {} if target_weights == "bf16" else {"weights": target_weights}
+    tag = "" if target_weights == "bf16" else f"-{target_weights}-weights"
     baselines = {"none": ([], "plain")}
     if serial:
         baselines[dspark.SERIAL] = (["--disable-overlap-schedule"], "plain-no-overlap")
@@ -632,18 +650,19 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
     rows: list[Row] = []
     for kind, (flags, label) in baselines.items():
         args = server_args([*base, *flags], workloads, output, cpu, interval)
-        with started(path, args, f"{model}_atom-bf16-{label}", env, logs, warm) as srv:
+        with started(path, args, f"{model}_atom-bf16{tag}-{label}", env, logs, warm) as srv:
             for batch, prompt in workloads:
                 row = run_workload(
-                    srv, model, "atom", "bf16", batch, prompt, output, gbps, run_id, {"spec": kind}
-                )
+                    srv, model, "atom", "bf16", batch, prompt, output, gbps, run_id,
+                    {"spec": kind, **tw},
+                )  # fmt: skip
                 plains.setdefault(kind, []).append(row)
                 _print(row, f"atom-bf16 {label}")
         rows += plains[kind]
         save(rows)
     plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
     for (k, n), kv, ov in itertools.product(blocks, draft_kvs, overlaps) if atom_rows else ():
-        name = f"{model}_dspark-k{k}-n{n}-{kv}" + dspark.OVERLAP_SUFFIX.get(ov, "")
+        name = f"{model}_dspark-k{k}-n{n}-{kv}{tag}" + dspark.OVERLAP_SUFFIX.get(ov, "")
         spec = dspark.spec_server_args(drafts[k], kv, n, ov)
         args = server_args([*base, *spec], workloads, output, cpu, interval)
         srv_env = {**env, **dspark.SPEC_ENV, **dspark.OVERLAP_ENV.get(ov, {})}
@@ -1072,6 +1091,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "decode; GPU only",
     )
     ap.add_argument(
+        "--spec-target-weights",
+        choices=list(TARGET_WEIGHT_FLAGS),
+        default="bf16",
+        help="--spec: the target's GEMM weights in every server, plain and ATOM_DSPARK alike "
+        "(fp8: --quantization fp8; the draft stays as --draft-kv asks); GPU only",
+    )
+    ap.add_argument(
         "--spec-sglang-only",
         action="store_true",
         help="--spec-sglang without ATOM_DSPARK's servers (and without the plain atom one "
@@ -1166,6 +1192,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "refuses CPU, and the chain rows measure ATOM_DSPARK alone"
         )
     args.spec_sglang = sglang
+    if args.spec_target_weights != "bf16" and (
+        not args.spec or args.spec_chain or args.cpu_smoke or sglang
+    ):
+        raise SystemExit(
+            "--spec-target-weights goes with --spec (forced acceptance) on a GPU, without "
+            "--spec-sglang: SGLang's fp8 linear method has no CPU kernels, the chain rows serve "
+            "their trained target as it is, and SGLang's DSpark worker would quantize its draft "
+            "like the target"
+        )
     if args.spec_sglang_only and not sglang:
         raise SystemExit("--spec-sglang-only: name SGLang's targets with --spec-sglang")
     if bad := set(args.m3_index.split(",")) - {"auto", "bf16", "fp8", "int4"}:
@@ -1217,6 +1252,7 @@ def run_suite(args, gbps: float, run_id: str, save=lambda rows: None) -> list[Ro
                     model, workloads, args.output, gbps, run_id, root, args.logs, blocks, kvs,
                     args.cpu_smoke, lambda new, done=done: save(done + new), args.serial_plain,
                     args.spec_overlap.split(","), args.spec_sglang, not args.spec_sglang_only,
+                    args.spec_target_weights,
                 )  # fmt: skip
                 continue
             for name in args.backends.split(","):

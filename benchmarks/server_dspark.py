@@ -343,6 +343,11 @@ def step_ratio(spec_tok_s: float, accept_len: float, plain_tok_s: float) -> floa
     return accept_len * plain_tok_s / spec_tok_s
 
 
+def target_label(r: dict) -> str:
+    """A forced-acceptance row's target: its model, and its GEMM weights where not bf16."""
+    return r["model"] + (f", {r['weights']} weights" if r.get("weights") else "")
+
+
 def spec_label(r: dict) -> str:
     """A forced-acceptance table row's serving: the atom plain decode ("plain"), another
     backend's ("plain, triton backend"), ATOM_DSPARK ("k=4 forced 3") or SGLang's own DSpark
@@ -367,7 +372,7 @@ def spec_table(rows: list[dict]) -> str:
     kinds = {"none": 0, SERIAL: 1, "dspark": 2, SGLANG_SPEC: 3}
     mine = [r for r in rows if r.get("spec") in kinds]
     order = lambda r: (  # noqa: E731
-        r["model"],
+        target_label(r),
         r["batch"],
         r["prompt"],
         r["run"],
@@ -383,7 +388,7 @@ def spec_table(rows: list[dict]) -> str:
         spec = r["spec"] in ("dspark", SGLANG_SPEC)
         out.append(
             [
-                r["model"],
+                target_label(r),
                 f"{r['batch']}x{r['prompt']}",
                 spec_label(r),
                 r["draft_kv"] if spec else "-",
@@ -446,10 +451,10 @@ def plot(rows: list[dict], path: Path) -> None:
     axes = dict(zip(panels, axes[0], strict=True))
     if "forced" in axes:
         ax = axes["forced"]
-        workloads = sorted({(r["model"], r["batch"], r["prompt"]) for r in forced})
+        workloads = sorted({(target_label(r), r["batch"], r["prompt"]) for r in forced})
         series: dict[str, dict] = {}
         for r in forced:
-            w = (r["model"], r["batch"], r["prompt"])
+            w = (target_label(r), r["batch"], r["prompt"])
             name = f"k={r['block']} {r['draft_kv']} pool{overlap_note(r)}"
             if r["spec"] == SGLANG_SPEC:
                 name = f"SGLang DSPARK {name}, {r['backend']} backend"

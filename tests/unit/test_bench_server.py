@@ -756,3 +756,73 @@ def test_spec_sglang_flag_is_checked():
     ):
         with pytest.raises(SystemExit, match=match):
             bench_server.parse_args(argv)
+
+
+def test_fp8_target_weights_reach_every_server_and_row(tmp_path, monkeypatch):
+    """--spec-target-weights fp8: the plain and the ATOM_DSPARK server both serve the target
+    with --quantization fp8 under names that say so; the plain rows' byte limit reads one byte
+    per layer weight; the DSpark rows carry the target's weights, keep a key of their own beside
+    bf16 rows, and the table names the target with its weights. The flag is refused where it
+    cannot run."""
+    from contextlib import contextmanager
+
+    import bench_server
+    import server_dspark as dspark
+
+    started = []
+
+    @contextmanager
+    def fake_started(path, args, name, env, logs, warm):
+        started.append((name, args))
+        yield SimpleNamespace(name=name)
+
+    rng = random.Random()
+    rate = rng.uniform(3e3, 9e3)
+    line = ("Decode batch, #running-req: 2, #token: 9, accept len: 4.00, "
+            "gen throughput (token/s): {r:.3f}, #queue-req: 0")  # fmt: skip
+    log = "\n".join([line.format(r=rate)] * 6)
+    monkeypatch.setattr(bench_server, "write_model", lambda model, root: tmp_path)
+    monkeypatch.setattr(bench_server.dspark, "write_drafts", lambda *a: {4: tmp_path})
+    monkeypatch.setattr(bench_server, "started", fake_started)
+    monkeypatch.setattr(bench_server, "timed_decode", lambda *a, **k: (0.1, log, rate / 3))
+    loads = [(2, 64)]
+    rows = {
+        w: bench_server.bench_spec(
+            "tiny", loads, 8, 1.0, "r", tmp_path, "", [(4, 3)], ["fp8"], False, target_weights=w
+        )
+        for w in ("bf16", "fp8")
+    }
+    names = [name for name, _ in started]
+    assert names == [
+        "tiny_atom-bf16-plain",
+        "tiny_dspark-k4-n3-fp8",
+        "tiny_atom-bf16-fp8-weights-plain",
+        "tiny_dspark-k4-n3-fp8-fp8-weights",
+    ]
+    for name, args in started:
+        quant = args[args.index("--quantization") + 1] if "--quantization" in args else None
+        assert quant == ("fp8" if "fp8-weights" in name else None), name
+    bf16_plain, bf16_spec = rows["bf16"]
+    fp8_plain, fp8_spec = rows["fp8"]
+    assert "weights" not in bf16_plain.extra and "weights" not in bf16_spec.extra
+    assert fp8_plain.extra["weights"] == fp8_spec.extra["weights"] == "fp8"
+    assert len({r.key() for r in (bf16_plain, bf16_spec, fp8_plain, fp8_spec)}) == 4
+    shape = bench_server.MODELS["tiny"]
+    layers = bench_server.weight_bytes_per_step(shape) - bench_server.weight_bytes_per_step(
+        dict(shape, num_hidden_layers=0)
+    )
+    head = bench_server.weight_bytes_per_step(dict(shape, num_hidden_layers=0))
+    assert bench_server.weight_bytes_per_step(shape, "fp8") == pytest.approx(layers / 2 + head)
+    assert fp8_plain.byte_limit_tok_s > bf16_plain.byte_limit_tok_s
+    table = dspark.spec_table(
+        [{**bench_server.asdict(r), **r.extra} for r in (fp8_spec, bf16_plain, fp8_plain)]
+    )
+    targets = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| tiny")]
+    assert targets == ["tiny", "tiny, fp8 weights", "tiny, fp8 weights"]
+    flag = ["--spec-target-weights", "fp8"]
+    for argv in (flag, ["--spec", "--spec-chain", *flag],
+                 ["--cpu-smoke", "--out", "/tmp/x", *flag],
+                 ["--spec", "--spec-sglang", "triton", *flag]):  # fmt: skip
+        with pytest.raises(SystemExit, match="goes with --spec"):
+            bench_server.parse_args(argv)
+    assert bench_server.parse_args(["--spec", *flag]).spec_target_weights == "fp8"
