@@ -457,6 +457,8 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, e
     ttft, log, client = timed_decode(srv, MODELS[model]["vocab_size"], batch, prompt, output)
     rate, n = log_decode_rate(log, batch)
     host_report(batch / (rate or client) * 1e3 if rate or client else 0.0)
+    weights = (extra or {}).get("weights", "bf16")
+    limit = byte_limit(MODELS[model], kv, batch, prompt, output, gbps, weights)
     return Row(
         model,
         backend,
@@ -466,12 +468,7 @@ def run_workload(srv, model, backend, kv, batch, prompt, output, gbps, run_id, e
         output,
         decode_tok_s=round(rate or client, 1),
         ttft_s=round(ttft, 3),
-        byte_limit_tok_s=round(
-            byte_limit(
-                MODELS[model], kv, batch, prompt, output, gbps, (extra or {}).get("weights", "bf16")
-            ),
-            1,
-        ),
+        byte_limit_tok_s=round(limit, 1),
         run=run_id,
         decode_tok_s_client=round(client, 1),
         log_samples=n,
@@ -657,7 +654,7 @@ def bench_spec(model, workloads, output, gbps, run_id, root, logs, blocks, draft
                     {"spec": kind, **tw},
                 )  # fmt: skip
                 plains.setdefault(kind, []).append(row)
-                _print(row, f"atom-bf16 {label}")
+                _print(row, f"atom-bf16{tag} {label}")
         rows += plains[kind]
         save(rows)
     plain, serials = plains["none"], plains.get(dspark.SERIAL, [None] * len(workloads))
